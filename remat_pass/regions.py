@@ -1,0 +1,187 @@
+"""Find the layer stack of a model and give every joint-graph node its layer index.
+
+The layer stack is the repeated block list (GPT-2's ``transformer.h``): by default the
+longest ``nn.ModuleList`` / ``nn.Sequential`` whose children all have one class. A node
+belongs to layer i when the module path recorded on it (``nn_module_stack`` for forward
+nodes, ``fwd_nn_module_stack`` for backward nodes) lies under ``<stack>.<i>``. Everything
+else is *outer* (layer ``None``): embedding, final norm, head, loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from .errors import LayerStackNotFound
+from .trace import JointGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """The layer stack of a traced step.
+
+    Attributes:
+        path: module path of the stack (e.g. ``"transformer.h"``).
+        child_names: the stack's child names in order (``"0"``, ``"1"``, ...).
+        num_layers: L, the number of layers.
+        layer_of: joint node name -> layer index in 0..L-1, or None for outer nodes.
+        forward_nodes: names of the joint graph's forward nodes (ancestors of the
+            forward outputs, placeholders included), in graph order.
+    """
+
+    path: str
+    child_names: tuple[str, ...]
+    num_layers: int
+    layer_of: Mapping[str, int | None]
+    forward_nodes: tuple[str, ...]
+
+    def nodes_of_layer(self, layer: int) -> list[str]:
+        """Names of the forward and backward nodes of ``layer``, in graph order."""
+        return [n for n, i in self.layer_of.items() if i == layer]
+
+
+def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple[str, list[str]]:
+    """The layer stack's module path and its child names.
+
+    Args:
+        model: the module.
+        layers: module path of the stack (``"transformer.h"``); None to search for the
+            longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one
+            class (ties: the first in ``named_modules`` order).
+
+    Returns:
+        ``(path, child_names)``.
+
+    Raises:
+        LayerStackNotFound: ``layers`` names no ModuleList/Sequential of the model, or no
+            such container with two or more same-class children exists.
+    """
+    containers = {
+        name: mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential))
+    }
+    if layers is not None:
+        if layers not in containers:
+            raise LayerStackNotFound(
+                f"layers={layers!r} is not an nn.ModuleList or nn.Sequential of "
+                f"{type(model).__name__}; those it has: {sorted(containers) or 'none'}"
+            )
+        children = [n for n, _ in containers[layers].named_children()]
+        if not children:
+            raise LayerStackNotFound(f"the layer stack {layers!r} has no children")
+        return layers, children
+    best: tuple[str, list[str]] | None = None
+    for name, mod in containers.items():
+        kids = list(mod.named_children())
+        if len(kids) < 2 or len({type(c) for _, c in kids}) != 1:
+            continue
+        if best is None or len(kids) > len(best[1]):
+            best = (name, [n for n, _ in kids])
+    if best is None:
+        raise LayerStackNotFound(
+            f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList or "
+            "nn.Sequential of two or more children of one class, and found "
+            f"{'only ' + ', '.join(repr(c) for c in containers) if containers else 'none'}. "
+            "Put the repeated blocks in an nn.ModuleList, or name the stack with "
+            "layers='path.to.stack' (--layers on the command line)."
+        )
+    return best
+
+
+def forward_node_names(gm: fx.GraphModule, num_fwd_outputs: int) -> list[str]:
+    """Names of the joint graph's forward nodes, in graph order.
+
+    A node is forward when it is an ancestor of the first ``num_fwd_outputs`` outputs,
+    or when AOTAutograd traced it during the forward (``meta["partitioner_tag"] ==
+    "is_forward"``: e.g. a layer norm's mean and rstd, read only by backward), or is an
+    ancestor of such a node. Primals are forward values even when unused there.
+    """
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    roots = [a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
+    roots += [
+        n for n in nodes
+        if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
+    ]
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    if any(n.name.startswith("tangents") for n in seen):
+        raise AssertionError("a forward node depends on a tangent: the joint graph is malformed")
+    for n in nodes:
+        if n.op == "placeholder" and n.name.startswith("primals"):
+            seen.add(n)
+    return [n.name for n in nodes if n in seen]
+
+
+def _layer_from_stack(stack: Mapping | None, prefix: str, index: dict[str, int]) -> int | None:
+    if not stack:
+        return None
+    layer = None
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        if path.startswith(prefix):
+            child = path[len(prefix) :].split(".", 1)[0]
+            if child in index:
+                layer = index[child]
+    return layer
+
+
+def assign_layers(joint: JointGraph, layers: str | None = None) -> LayerStack:
+    """Find the layer stack of ``joint.model`` and the layer of every joint node.
+
+    Forward nodes take the layer of their ``nn_module_stack``; backward nodes that of
+    ``fwd_nn_module_stack``. Backward nodes with no recorded stack (gradient
+    accumulation, for example) take the layer of the closest earlier backward node that
+    has one, since AOTAutograd emits them right after the op whose gradient they sum.
+
+    Args:
+        joint: the traced step.
+        layers: the stack's module path, or None to find it (see find_layer_stack).
+
+    Returns:
+        The LayerStack; ``node.meta["remat_layer"]`` is also set on every joint node.
+
+    Raises:
+        LayerStackNotFound: as find_layer_stack, or no node of the graph lies in the
+            stack (the stack's modules are not called by ``forward``).
+    """
+    path, children = find_layer_stack(joint.model, layers)
+    index = {c: i for i, c in enumerate(children)}
+    prefix = path + "." if path else ""
+    fwd = forward_node_names(joint.gm, joint.num_fwd_outputs)
+    fwd_set = set(fwd)
+    layer_of: dict[str, int | None] = {}
+    last_bw_layer: int | None = None
+    for n in joint.gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            layer = None
+        elif n.name in fwd_set:
+            layer = _layer_from_stack(n.meta.get("nn_module_stack"), prefix, index)
+        else:
+            stack = n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack")
+            layer = _layer_from_stack(stack, prefix, index) if stack else last_bw_layer
+            last_bw_layer = layer
+        layer_of[n.name] = layer
+        n.meta["remat_layer"] = layer
+    if not any(v is not None for v in layer_of.values()):
+        raise LayerStackNotFound(
+            f"no node of the traced step lies in the layer stack {path!r}: its modules "
+            "are not called by the model's forward; name the stack that is, with layers="
+        )
+    return LayerStack(
+        path=path,
+        child_names=tuple(children),
+        num_layers=len(children),
+        layer_of=layer_of,
+        forward_nodes=tuple(fwd),
+    )

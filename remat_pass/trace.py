@@ -1,0 +1,277 @@
+"""Trace one training step (forward, loss, backward) into a single joint fx graph.
+
+The step is traced with AOTAutograd (`torch._functorch.aot_autograd.aot_function`) as a
+function of the model's parameters, buffers and input tensors, so there are no graph
+breaks: the joint graph holds every aten op of the forward and of the backward. Every
+node carries FakeTensor metadata in ``node.meta["val"]`` and the path of the module it
+came from in ``node.meta["nn_module_stack"]`` (forward) or
+``node.meta["fwd_nn_module_stack"]`` (backward, copied by AOTAutograd from the forward
+node with the same ``seq_nr``).
+
+Module paths are recorded with global module forward hooks that write
+``torch.fx.traceback.current_meta["nn_module_stack"]`` while
+``torch.fx.traceback.preserve_node_meta()`` is active: fx copies that field onto every
+node created inside the module call, in the same ``{path: (path, type)}`` layout Dynamo
+and ``make_fx(record_module_stack=True)`` use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.func import functional_call
+
+from .errors import RematError, UnsupportedGraph
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclasses.dataclass
+class JointGraph:
+    """One training step as a joint forward+backward fx graph.
+
+    Attributes:
+        gm: the joint GraphModule. Placeholders are ``primals_*`` (one per flat input,
+            in the order of ``primal_values``) then ``tangents_*``; the output is a flat
+            list: ``num_fwd_outputs`` forward outputs (the loss) then one gradient per
+            primal (None where the primal does not require grad).
+        primals: names of the primal placeholders, in order.
+        tangents: names of the tangent placeholders, in order.
+        num_fwd_outputs: number of forward outputs (1: the scalar loss).
+        primal_values: the real tensors fed to the primals: parameters, then buffers,
+            then the tensors of the example inputs.
+        primal_kinds: "param", "buffer" or "input" for each primal.
+        primal_labels: the parameter / buffer name or "input[i]" for each primal.
+        tangent_values: the real tangents (``ones_like(loss)``).
+        model: the traced module (its parameters are the "param" primals).
+    """
+
+    gm: fx.GraphModule
+    primals: list[str]
+    tangents: list[str]
+    num_fwd_outputs: int
+    primal_values: list[torch.Tensor]
+    primal_kinds: list[str]
+    primal_labels: list[str]
+    tangent_values: list[torch.Tensor]
+    model: torch.nn.Module
+
+    def node(self, name: str) -> fx.Node:
+        """The joint node called ``name`` (KeyError if there is none)."""
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    @property
+    def num_params(self) -> int:
+        """Number of primals that are model parameters."""
+        return self.primal_kinds.count("param")
+
+
+class _JointCaptured(Exception):
+    """Raised from the partition function to stop AOTAutograd once the joint exists."""
+
+    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int):
+        super().__init__("joint graph captured")
+        self.joint = joint
+        self.num_fwd_outputs = num_fwd_outputs
+
+
+@contextlib.contextmanager
+def record_module_stack(model: torch.nn.Module) -> Iterator[None]:
+    """While active, fx nodes created inside a submodule's forward get
+    ``meta["nn_module_stack"] = {path: (path, type_qualname), ...}`` (outermost first).
+
+    Must be used inside ``torch.fx.traceback.preserve_node_meta()``.
+    """
+    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    stack: list[int] = []
+
+    def _set_meta() -> None:
+        if stack:
+            fx_traceback.current_meta["nn_module_stack"] = {
+                paths[i]: (paths[i], type_names[i]) for i in stack
+            }
+        else:
+            fx_traceback.current_meta.pop("nn_module_stack", None)
+
+    type_names = {id(m): type(m).__qualname__ for m in model.modules()}
+
+    def pre_hook(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in paths:
+            stack.append(id(module))
+            _set_meta()
+
+    def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if stack and stack[-1] == id(module):
+            stack.pop()
+            _set_meta()
+
+    h_pre = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    h_post = torch.nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+    try:
+        yield
+    finally:
+        h_pre.remove()
+        h_post.remove()
+        stack.clear()
+        fx_traceback.current_meta.pop("nn_module_stack", None)
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"example_inputs must be a Tensor, a tuple/list of positional arguments or a dict "
+        f"of keyword arguments; got {type(example_inputs).__name__}"
+    )
+
+
+def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The scalar loss of one model output.
+
+    Args:
+        output: what the model returned.
+        loss_fn: ``loss_fn(output) -> scalar tensor``; None when ``output`` is the loss
+            or has a ``.loss`` attribute / ``"loss"`` key (Hugging Face models).
+
+    Raises:
+        RematError: no scalar loss can be found.
+    """
+    loss = loss_fn(output) if loss_fn is not None else output
+    if not isinstance(loss, torch.Tensor):
+        if getattr(loss, "loss", None) is not None:
+            loss = loss.loss
+        elif isinstance(loss, dict) and "loss" in loss:
+            loss = loss["loss"]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise RematError(
+            "the training step needs a scalar loss: the model output is "
+            f"{type(output).__name__}; pass loss_fn(output) -> scalar tensor, or make the "
+            "model return the loss (or an object with a .loss)"
+        )
+    return loss
+
+
+def trace_joint(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: LossFn | None = None,
+) -> JointGraph:
+    """Trace ``loss = loss_fn(model(*example_inputs)); loss.backward()`` as one joint graph.
+
+    Args:
+        model: the module; it is traced in its current mode (``train()`` for dropout).
+        example_inputs: a Tensor, a tuple of positional arguments or a dict of keyword
+            arguments. Tensors among them become primals; other values are constants.
+        loss_fn: maps the model output to a scalar loss; None if the output is the loss
+            or carries ``.loss``.
+
+    Returns:
+        The JointGraph (AOTAutograd's joint graph before partitioning).
+
+    Raises:
+        UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
+            running statistics) or returns aliases of its inputs.
+        RematError: no scalar loss.
+
+    Example:
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+        >>> j = trace_joint(m, (torch.randn(3, 4),), lambda y: y.sum())
+        >>> j.primals[:2], j.num_fwd_outputs
+        (['primals_1', 'primals_2'], 1)
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    args, kwargs = _split_inputs(example_inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    flat_inputs: list[torch.Tensor] = []
+    labels: list[str] = []
+
+    def _collect(x: Any, label: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            flat_inputs.append(x)
+            labels.append(label)
+            return ("__tensor__", len(flat_inputs) - 1)
+        return x
+
+    arg_spec = [_collect(a, f"input[{i}]") for i, a in enumerate(args)]
+    kwarg_spec = {k: _collect(v, f"input[{k}]") for k, v in kwargs.items()}
+    n_p, n_b = len(params), len(buffers)
+    primal_values = [*params.values(), *buffers.values(), *flat_inputs]
+    primal_kinds = ["param"] * n_p + ["buffer"] * n_b + ["input"] * len(flat_inputs)
+    primal_labels = [*params, *buffers, *labels]
+
+    def _fill(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
+        if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__":
+            return tensors[spec[1]]
+        return spec
+
+    def step(*flat: torch.Tensor) -> torch.Tensor:
+        p = dict(zip(params, flat[:n_p]))
+        b = dict(zip(buffers, flat[n_p : n_p + n_b]))
+        ins = flat[n_p + n_b :]
+        a = tuple(_fill(s, ins) for s in arg_spec)
+        k = {key: _fill(s, ins) for key, s in kwarg_spec.items()}
+        with record_module_stack(model):
+            out = functional_call(model, {**p, **b}, a, k)
+        return extract_loss(out, loss_fn)
+
+    def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        raise _JointCaptured(joint, num_fwd_outputs)
+
+    compiled = aot_function(
+        step,
+        fw_compiler=lambda g, _: g,
+        bw_compiler=lambda g, _: g,
+        partition_fn=capture,
+    )
+    try:
+        with fx_traceback.preserve_node_meta():
+            compiled(*primal_values)
+    except _JointCaptured as c:
+        joint, num_fwd_outputs = c.joint, c.num_fwd_outputs
+    else:  # pragma: no cover - aot_function always partitions when a grad is needed
+        raise RematError(
+            "AOTAutograd produced no joint graph: no parameter or input requires grad"
+        )
+    if num_fwd_outputs != 1:
+        raise UnsupportedGraph(
+            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
+            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
+            "statistics in train mode) or returns an alias of an input. Put such layers "
+            "in eval mode or remove the mutation."
+        )
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    primals = [n.name for n in placeholders if n.name.startswith("primals")]
+    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    if len(primals) != len(primal_values):
+        raise UnsupportedGraph(
+            f"the joint graph has {len(primals)} primals for {len(primal_values)} inputs"
+        )
+    tangent_values = []
+    for name in tangents:
+        val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
+        tangent_values.append(torch.ones(val.shape, dtype=val.dtype, device=val.device))
+    return JointGraph(
+        gm=joint,
+        primals=primals,
+        tangents=tangents,
+        num_fwd_outputs=num_fwd_outputs,
+        primal_values=primal_values,
+        primal_kinds=primal_kinds,
+        primal_labels=primal_labels,
+        tangent_values=tangent_values,
+        model=model,
+    )
