@@ -1,0 +1,186 @@
+"""Evaluate schedules end to end: rewrite, predict, run, measure, compare gradients.
+
+One ``ScheduleResult`` per schedule holds the predicted peak (liveness), the measured
+peak (running the rewritten step), and the gradient checks: bitwise equality with the
+un-rewritten joint graph run by the same executor, and the largest difference from
+plain eager autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import schedule as schedules
+from .liveness import MemoryReport, analyze
+from .measure import (
+    eager_grads,
+    grads_bitwise_equal,
+    max_abs_diff,
+    measure_step,
+    run_joint,
+)
+from .regions import LayerStack, assign_layers
+from .rewrite import RewrittenStep, rewrite
+from .schedule import Schedule
+from .trace import JointGraph, trace_joint
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleResult:
+    """Prediction and measurement of one schedule (all sizes in bytes).
+
+    Attributes:
+        schedule: ``"none"``, ``"uniform"``, ``"block"`` or ``"optimized"``.
+        k: K (uniform) or N (block); None otherwise.
+        provenance: e.g. ``"uniform(K=4)"``.
+        predicted_peak_bytes, measured_peak_bytes: activation peaks.
+        error_fraction: (predicted - measured) / measured.
+        saved_activation_bytes: bytes forward saves for backward.
+        recompute_flops, forward_flops: FLOPs (torch.utils.flop_counter formulas).
+        peak_phase, peak_layer, peak_node: where the predicted peak is.
+        live_at_peak_by_layer: predicted bytes live at the peak, per layer / "outer".
+        grads_equal: rewritten gradients bitwise equal to the un-rewritten joint graph's.
+        max_grad_diff_vs_eager: largest |difference| from eager autograd's parameter
+            gradients (float rounding of the traced ops; not a correctness check).
+        pass_time_s: seconds for rewrite + liveness.
+        measure_time_s: seconds to run and measure the step (warm-up included).
+    """
+
+    schedule: str
+    k: int | None
+    provenance: str
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    error_fraction: float
+    saved_activation_bytes: int
+    recompute_flops: int
+    forward_flops: int
+    peak_phase: str
+    peak_layer: int | None
+    peak_node: str
+    live_at_peak_by_layer: dict[str, int]
+    grads_equal: bool
+    max_grad_diff_vs_eager: float
+    pass_time_s: float
+    measure_time_s: float
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recompute FLOPs / forward FLOPs."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the ``--json`` row)."""
+        d = dataclasses.asdict(self)
+        d["recompute_fraction"] = self.recompute_fraction
+        return d
+
+
+@dataclasses.dataclass
+class Session:
+    """A traced step with its references, ready to evaluate many schedules.
+
+    Attributes:
+        joint, stack: the traced step and its layer stack.
+        reference_grads: gradients of the un-rewritten joint graph (same executor).
+        eager_param_grads: parameter gradients of eager autograd.
+        seed: RNG seed used for every run (dropout masks).
+    """
+
+    joint: JointGraph
+    stack: LayerStack
+    reference_grads: list[Any]
+    eager_param_grads: list[Any]
+    seed: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        example_inputs: Any,
+        loss_fn: Any = None,
+        layers: str | None = None,
+        seed: int = 0,
+    ) -> "Session":
+        """Trace the step, find the layer stack, run the references.
+
+        Raises:
+            LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
+                assign_layers.
+        """
+        joint = trace_joint(model, example_inputs, loss_fn)
+        stack = assign_layers(joint, layers)
+        torch.manual_seed(seed)
+        _, ref = run_joint(joint)
+        torch.manual_seed(seed)
+        _, eager = eager_grads(model, example_inputs, loss_fn)
+        return cls(joint, stack, ref, eager, seed)
+
+    def prepare(self, schedule: Schedule) -> tuple[RewrittenStep, MemoryReport, float]:
+        """Rewrite and predict: ``(step, report, seconds)``."""
+        t0 = time.perf_counter()
+        step = rewrite(self.joint, self.stack, schedule)
+        report = analyze(step)
+        return step, report, time.perf_counter() - t0
+
+    def evaluate(self, schedule: Schedule) -> ScheduleResult:
+        """Rewrite, predict, run and measure ``schedule``."""
+        step, report, pass_s = self.prepare(schedule)
+        t0 = time.perf_counter()
+        m = measure_step(step, self.joint, seed=self.seed)
+        measure_s = time.perf_counter() - t0
+        n_params = self.joint.num_params
+        return ScheduleResult(
+            schedule=schedule.method,
+            k=schedule.k,
+            provenance=schedule.provenance,
+            predicted_peak_bytes=report.peak_bytes,
+            measured_peak_bytes=m.peak_bytes,
+            error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
+            saved_activation_bytes=report.saved_activation_bytes,
+            recompute_flops=report.recompute_flops,
+            forward_flops=report.forward_flops,
+            peak_phase=report.peak_phase,
+            peak_layer=report.peak_layer,
+            peak_node=report.peak_node,
+            live_at_peak_by_layer=report.live_at_peak_by_layer,
+            grads_equal=grads_bitwise_equal(m.grads, self.reference_grads),
+            max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
+            pass_time_s=pass_s,
+            measure_time_s=measure_s,
+        )
+
+
+def megatron_schedules(num_layers: int) -> list[Schedule]:
+    """``none``, uniform K = 1..L, block N = 0..L: every Megatron-LM full-recompute setting."""
+    return (
+        [schedules.none(num_layers)]
+        + [schedules.uniform(k, num_layers) for k in range(1, num_layers + 1)]
+        + [schedules.block(n, num_layers) for n in range(0, num_layers + 1)]
+    )
+
+
+def sweep(
+    session: Session,
+    schedule_list: Iterable[Schedule] | None = None,
+    progress: Callable[[int, int, Schedule, ScheduleResult], None] | None = None,
+) -> list[ScheduleResult]:
+    """Evaluate every schedule (default: ``megatron_schedules(L)``), in order.
+
+    Args:
+        session: the traced step (``Session.create``).
+        schedule_list: schedules to evaluate.
+        progress: called after each schedule with (index from 1, total, schedule, result).
+    """
+    todo = list(schedule_list or megatron_schedules(session.stack.num_layers))
+    results = []
+    for i, s in enumerate(todo, 1):
+        r = session.evaluate(s)
+        results.append(r)
+        if progress is not None:
+            progress(i, len(todo), s, r)
+    return results
