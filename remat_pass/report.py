@@ -22,7 +22,7 @@ def where(phase: str, layer: int | None) -> str:
 
 
 SWEEP_COLUMNS = (
-    "schedule", "predicted MiB", "measured MiB", "error %", "saved MiB",
+    "schedule", "predicted MiB", "measured MiB", "error %", "vs none MiB", "saved MiB",
     "recompute % fwd FLOPs", "peak at", "grads equal", "pass s",
 )
 
@@ -32,9 +32,10 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
     return [
         [
             r.provenance,
-            mib(r.predicted_peak_bytes),
-            mib(r.measured_peak_bytes),
-            f"{100 * r.error_fraction:+.2f}",
+            mib(r.predicted_peak_bytes) if r.grads_equal else "-",
+            mib(r.measured_peak_bytes) if r.grads_equal else "-",
+            f"{100 * r.error_fraction:+.2f}" if r.grads_equal else "-",
+            _saving(r),
             mib(r.saved_activation_bytes),
             f"{100 * r.recompute_fraction:.1f}",
             where(r.peak_phase, r.peak_layer),
@@ -43,6 +44,14 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
         ]
         for r in results
     ]
+
+
+def _saving(r: ScheduleResult) -> str:
+    if not r.grads_equal or r.peak_saving_vs_none_bytes is None:
+        return "-"
+    if r.schedule != "none" and r.peak_saving_vs_none_bytes <= 0:
+        return "saves nothing" if r.peak_saving_vs_none_bytes == 0 else f"+{mib(-r.peak_saving_vs_none_bytes)}"
+    return f"-{mib(r.peak_saving_vs_none_bytes)}" if r.peak_saving_vs_none_bytes else "0.00"
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

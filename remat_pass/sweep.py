@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import schedule as schedules
+from .errors import GradientMismatch
 from .liveness import MemoryReport, analyze
 from .measure import (
     eager_grads,
@@ -37,8 +38,11 @@ class ScheduleResult:
         schedule: ``"none"``, ``"uniform"``, ``"block"`` or ``"optimized"``.
         k: K (uniform) or N (block); None otherwise.
         provenance: e.g. ``"uniform(K=4)"``.
-        predicted_peak_bytes, measured_peak_bytes: activation peaks.
+        predicted_peak_bytes, measured_peak_bytes: activation peaks; None when the
+            gradients differ (a peak is never reported next to wrong gradients).
         error_fraction: (predicted - measured) / measured.
+        peak_saving_vs_none_bytes: predicted peak of ``none`` minus this one (0: the
+            schedule saves nothing).
         saved_activation_bytes: bytes forward saves for backward.
         recompute_flops, forward_flops: FLOPs (torch.utils.flop_counter formulas).
         peak_phase, peak_layer, peak_node: where the predicted peak is.
@@ -53,9 +57,10 @@ class ScheduleResult:
     schedule: str
     k: int | None
     provenance: str
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int | None
     error_fraction: float
+    peak_saving_vs_none_bytes: int | None
     saved_activation_bytes: int
     recompute_flops: int
     forward_flops: int
@@ -96,6 +101,7 @@ class Session:
     reference_grads: list[Any]
     eager_param_grads: list[Any]
     seed: int = 0
+    _none_peak: int | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -127,20 +133,36 @@ class Session:
         report = analyze(step)
         return step, report, time.perf_counter() - t0
 
-    def evaluate(self, schedule: Schedule) -> ScheduleResult:
-        """Rewrite, predict, run and measure ``schedule``."""
+    def evaluate(self, schedule: Schedule, strict: bool = True) -> ScheduleResult:
+        """Rewrite, predict, run and measure ``schedule``.
+
+        Args:
+            schedule: the schedule.
+            strict: raise when gradients differ; with False the result carries
+                ``grads_equal=False`` and no peak figures (None).
+
+        Raises:
+            GradientMismatch: (strict) the rewritten step's gradients are not bitwise
+                equal to the un-rewritten joint graph's; no peak is reported for it.
+        """
         step, report, pass_s = self.prepare(schedule)
         t0 = time.perf_counter()
         m = measure_step(step, self.joint, seed=self.seed)
         measure_s = time.perf_counter() - t0
         n_params = self.joint.num_params
+        equal = grads_bitwise_equal(m.grads, self.reference_grads)
+        if strict and not equal:
+            self.check_grads(schedule, m.grads)
         return ScheduleResult(
             schedule=schedule.method,
             k=schedule.k,
             provenance=schedule.provenance,
-            predicted_peak_bytes=report.peak_bytes,
-            measured_peak_bytes=m.peak_bytes,
+            predicted_peak_bytes=report.peak_bytes if equal else None,
+            measured_peak_bytes=m.peak_bytes if equal else None,
             error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
+            peak_saving_vs_none_bytes=(
+                self.baseline_peak_bytes() - report.peak_bytes if equal else None
+            ),
             saved_activation_bytes=report.saved_activation_bytes,
             recompute_flops=report.recompute_flops,
             forward_flops=report.forward_flops,
@@ -148,11 +170,36 @@ class Session:
             peak_layer=report.peak_layer,
             peak_node=report.peak_node,
             live_at_peak_by_layer=report.live_at_peak_by_layer,
-            grads_equal=grads_bitwise_equal(m.grads, self.reference_grads),
+            grads_equal=equal,
             max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
             pass_time_s=pass_s,
             measure_time_s=measure_s,
         )
+
+
+    def baseline_peak_bytes(self) -> int:
+        """Predicted peak of ``none`` (cached)."""
+        if self._none_peak is None:
+            self._none_peak = self.prepare(schedules.none(self.stack.num_layers))[1].peak_bytes
+        return self._none_peak
+
+    def check_grads(self, schedule: Schedule, grads: list[Any]) -> None:
+        """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
+
+        Raises:
+            GradientMismatch: names the first primal whose gradient differs.
+        """
+        if grads_bitwise_equal(grads, self.reference_grads):
+            return
+        for label, g, ref in zip(self.joint.primal_labels, grads, self.reference_grads):
+            if not grads_bitwise_equal([g], [ref]):
+                diff = max_abs_diff([g], [ref])
+                raise GradientMismatch(
+                    f"{schedule.provenance}: the gradient of {label} differs from the "
+                    f"un-rewritten step (max |diff| {diff:.3g}); the rewrite is wrong and "
+                    "its peak is not reported"
+                )
+        raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
 
 
 def megatron_schedules(num_layers: int) -> list[Schedule]:
@@ -175,11 +222,13 @@ def sweep(
         session: the traced step (``Session.create``).
         schedule_list: schedules to evaluate.
         progress: called after each schedule with (index from 1, total, schedule, result).
+
+    Rows whose gradients differ carry ``grads_equal=False`` and no peak figures.
     """
     todo = list(schedule_list or megatron_schedules(session.stack.num_layers))
     results = []
     for i, s in enumerate(todo, 1):
-        r = session.evaluate(s)
+        r = session.evaluate(s, strict=False)
         results.append(r)
         if progress is not None:
             progress(i, len(todo), s, r)
