@@ -51,6 +51,55 @@ def is_mutating(node: fx.Node) -> bool:
     )
 
 
+def _numel_bytes(val: Any) -> int:
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _leaf(val: Any) -> Any:
+    """The first tensor of a possibly nested tuple value."""
+    while isinstance(val, (tuple, list)) and val:
+        val = val[0]
+    return val
+
+
+def _inner_transient(target: Any, args: tuple, out: Any) -> int:
+    """Scratch bytes of the CPU kernels of ``target`` (see transient_bytes)."""
+    aten = torch.ops.aten
+    if target is aten.native_dropout.default:
+        # native_dropout_cpu: mask = empty_like(input).bernoulli_(1-p) in the input's
+        # dtype, output = input * mask * scale, then the mask is converted to bool
+        x = args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
+        return _numel_bytes(x)
+    if target is aten.native_dropout_backward.default:
+        # grad_output * mask (a temporary), then * scale
+        return _numel_bytes(out)
+    return 0
+
+
+def transient_bytes(node: fx.Node) -> int:
+    """Bytes an op allocates and frees inside itself on CPU (0 where none is known).
+
+    Modelled from the ATen CPU kernels (``aten/src/ATen/native/Dropout.cpp``) and
+    ``torch._prims.rng_prims.run_with_rng_state``, which reads the current RNG state
+    (a copy of ``torch.get_rng_state()``) to restore it afterwards. Other ops' scratch
+    space is not modelled; on CUDA these kernels are fused and 0 is returned.
+    """
+    if node.op != "call_function":
+        return 0
+    val = _leaf(node.meta.get("val"))
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+        return 0
+    name = getattr(node.target, "__name__", "")
+    if name == "run_with_rng_state":
+        out = node.meta.get("val")
+        return RNG_STATE_BYTES["cpu"] + _inner_transient(node.args[1], node.args[2:], _leaf(out))
+    if name == "run_and_save_rng_state":
+        out = node.meta.get("val")
+        inner = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
+        return _inner_transient(node.args[0], node.args[1:], _leaf(inner))
+    return _inner_transient(node.target, node.args, val)
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one call_function node by PyTorch's flop formulas (0 when none applies).
 

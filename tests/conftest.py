@@ -1,0 +1,39 @@
+"""Shared fixtures: small traced models, reused across tests of a module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat_pass.models import gpt2, tiny_gpt
+from remat_pass.sweep import Session
+
+
+def small_gpt2(layers: int = 3, dropout: float = 0.0, **kw):
+    """A tiny transformers GPT-2 (hidden 64, seq 32, vocab 256)."""
+    pytest.importorskip("transformers")
+    return gpt2(batch=2, seq=32, layers=layers, hidden=64, heads=4, vocab=256, dropout=dropout, **kw)
+
+
+def small_tiny_gpt(layers: int = 4, **kw):
+    """A tiny hand-written GPT (hidden 64, seq 32, vocab 128)."""
+    return tiny_gpt(batch=2, seq=32, layers=layers, hidden=64, heads=4, vocab=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpt2_session() -> Session:
+    model, inputs, loss_fn = small_gpt2(layers=3, dropout=0.1)
+    return Session.create(model, inputs, loss_fn)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_session() -> Session:
+    model, inputs, loss_fn = small_tiny_gpt(layers=5)
+    return Session.create(model, inputs, loss_fn)
+
+
+@pytest.fixture(autouse=True)
+def _restore_rng():
+    state = torch.get_rng_state()
+    yield
+    torch.set_rng_state(state)
