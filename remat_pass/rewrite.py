@@ -162,6 +162,7 @@ def rewrite(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Rewritt
     fwd = {by_name[name] for name in stack.forward_nodes}
     primal_nodes = [by_name[p] for p in joint.primals]
     primal_set = set(primal_nodes)
+    primal_index = {p: i for i, p in enumerate(primal_nodes)}
     tangent_nodes = [by_name[t] for t in joint.tangents]
     output = nodes[-1]
     fwd_computed = fwd - primal_set
@@ -370,7 +371,7 @@ def rewrite(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Rewritt
         schedule=schedule,
         num_fwd_outputs=joint.num_fwd_outputs,
         saved=saved_names,
-        backward_primal_indices=tuple(primal_nodes.index(p) for p in bw_primals),
+        backward_primal_indices=tuple(primal_index[p] for p in bw_primals),
         segments=tuple(seg_records),
         forced_saves={v.name: reason for v, reason in sorted(forced.items(), key=lambda kv: order[kv[0]])},
         layer_of=layer_out,
