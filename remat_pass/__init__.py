@@ -1,5 +1,6 @@
 """remat-pass: activation recomputation as a compiler pass over traced training graphs."""
 
+from .backend import backend
 from .errors import (
     GradientMismatch,
     InfeasibleBudget,
@@ -30,6 +31,7 @@ __all__ = [
     "UnsupportedGraph",
     "analyze",
     "assign_layers",
+    "backend",
     "find_layer_stack",
     "measure_step",
     "rewrite",

@@ -1,0 +1,355 @@
+"""The torch.compile backend: training loops equal to eager, reports, options, breaks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat_pass
+from remat_pass import schedule as schedules
+from remat_pass.backend import (
+    REPORT_DIR_ENV,
+    GraphBreakWarning,
+    InvalidBackendOption,
+    registered_backend,
+)
+from remat_pass.errors import InvalidSchedule
+from remat_pass.models import TinyGPT
+from remat_pass.sweep import Session
+
+from conftest import small_gpt2, small_tiny_gpt
+
+STEPS = 5
+SCHEDULES = {"uniform2": ("uniform", 2), "block3": ("block", 3), "none": ("none", None)}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test compiles new models: start from an empty Dynamo cache (its per-code
+    recompile limit would otherwise send later models to eager without a word)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model(name: str, dropout: float):
+    """(model, loss_of(model) -> scalar): GPT-2 returns .loss (the loss sits behind
+    Hugging Face's graph break); TinyGPT returns logits and the loss is taken outside
+    the compiled module (forward output = logits, not the loss)."""
+    if name == "gpt2":
+        model, inputs, _ = small_gpt2(layers=3, dropout=dropout)
+        return model, lambda m: m(**inputs).loss
+    model, (ids,), loss_fn = small_tiny_gpt(layers=3, dropout=dropout)
+    return model, lambda m: loss_fn(m(ids))
+
+
+def _train(model, loss_of, steps: int = STEPS, seed: int = 0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        torch.manual_seed(seed + s)  # same dropout masks in eager and compiled runs
+        loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+_EAGER: dict = {}
+
+
+def _eager_run(name: str, dropout: float):
+    if (name, dropout) not in _EAGER:
+        model, loss_of = _model(name, dropout)
+        start = copy.deepcopy(model)
+        losses = _train(model, loss_of)
+        _EAGER[name, dropout] = (start, loss_of, losses, [p.detach().clone() for p in model.parameters()])
+    return _EAGER[name, dropout]
+
+
+@pytest.mark.parametrize(
+    "name,dropout,sched",
+    [
+        ("gpt2", 0.0, "uniform2"),
+        ("gpt2", 0.0, "block3"),
+        ("gpt2", 0.0, "none"),
+        ("gpt2", 0.1, "uniform2"),
+        ("tiny", 0.0, "uniform2"),
+        ("tiny", 0.0, "block3"),
+        ("tiny", 0.0, "none"),
+        ("tiny", 0.1, "block3"),
+    ],
+)
+def test_training_equals_eager(name, dropout, sched):
+    """5 AdamW steps under the backend: losses and final parameters equal eager's bit
+    for bit (CPU, eager compiler; with dropout, eager with the same seeds)."""
+    start, loss_of, eager_losses, eager_params = _eager_run(name, dropout)
+    method, k = SCHEDULES[sched]
+    b = remat_pass.backend(schedule=method, num_layers=k)
+    model = copy.deepcopy(start)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)  # GPT-2's loss graph break
+        losses = _train(torch.compile(model, backend=b), loss_of)
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses]
+    assert all(torch.equal(a, b_) for a, b_ in zip(losses, eager_losses))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_params))
+
+    # one training graph holds the stack; compiled once, not per step
+    stacked = [r for r in b.reports if r.layer_stack]
+    assert len(stacked) == 1, [r.graph_id for r in b.reports]
+    r = stacked[0]
+    sch = schedules.make(method, k, 3) if method != "none" else schedules.none(3)
+    assert r.layer_stack == ("transformer.h" if name == "gpt2" else "blocks")
+    assert r.layers == (0, 1, 2)
+    assert r.schedule == sch.provenance
+    assert sorted(s.layers for s in r.step.segments) == list(sch.groups)  # run order: backward's
+    if dropout:
+        assert any(s.rng_replayed for s in r.step.segments)
+    assert b.inference_graphs == []
+
+
+def test_report_equals_traced_pipeline():
+    """The backend's MemoryReport for a compiled loss step equals the trace_joint
+    pipeline's (Session.prepare) for the same model and schedule."""
+    model, (ids,), loss_fn = small_tiny_gpt(layers=3)
+    session = Session.create(model, (ids,), loss_fn)
+    for sch in (schedules.uniform(2, 3), schedules.none(3)):
+        torch._dynamo.reset()
+        _, expected, _ = session.prepare(sch)
+        b = remat_pass.backend(sch.method, sch.k)
+        # targets from the batch, as tiny_gpt's loss_fn (a captured constant would be
+        # a graph input under Dynamo but a constant in trace_joint's graph)
+        step = torch.compile(
+            lambda x: F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()), backend=b
+        )
+        step(ids).backward()
+        got = b.reports[0].memory
+        assert (got.peak_bytes, got.peak_node, got.saved_activation_bytes) == (
+            expected.peak_bytes, expected.peak_node, expected.saved_activation_bytes
+        ), sch.provenance
+    model.zero_grad(set_to_none=True)
+
+
+def test_eval_and_no_grad_are_not_rewritten():
+    model, loss_of = _model("tiny", 0.0)
+    ref = copy.deepcopy(model)
+    b = remat_pass.backend("uniform", 2)
+    compiled = torch.compile(model, backend=b)
+    _train(compiled, loss_of, steps=1)
+    _train(ref, loss_of, steps=1)
+    n_train = len(b.reports)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out = compiled(ids)
+    assert torch.equal(out, ref(ids))
+    assert len(b.reports) == n_train and len(b.inference_graphs) == 1
+    with torch.no_grad():  # train mode, no grad: an inference graph too
+        model.train()
+        compiled(ids)
+    assert len(b.reports) == n_train and len(b.inference_graphs) == 2
+
+
+def test_changing_batch_shape():
+    """A second batch size recompiles with a symbolic batch (automatic dynamic shapes);
+    gradients stay equal to eager's; the symbolic graph's report, at the batch that
+    triggered it, equals the report of a static compile at that batch."""
+    model = TinyGPT(vocab=128, hidden=64, heads=4, layers=3, seq=32)
+    ref = copy.deepcopy(model)
+    b = remat_pass.backend("uniform", 2)
+    compiled = torch.compile(model, backend=b)
+
+    def loss(m, x):
+        return F.cross_entropy(m(x).flatten(0, 1), x.roll(-1, 1).flatten())
+
+    for batch, seq in ((2, 32), (3, 32), (4, 32)):
+        x = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(batch))
+        a, e = loss(compiled, x), loss(ref, x)
+        a.backward()
+        e.backward()
+        assert torch.equal(a, e)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert len(b.reports) >= 2 and not b.reports[0].symbolic and b.reports[1].symbolic
+    assert b.reports[1].example_shapes[0] == (3, 32)
+
+    torch._dynamo.reset()
+    static = remat_pass.backend("uniform", 2)
+    x = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(3))
+    loss(torch.compile(copy.deepcopy(ref), backend=static, dynamic=False), x).backward()
+    assert b.reports[1].memory.peak_bytes == static.reports[0].memory.peak_bytes
+
+
+class UnrolledGPT(TinyGPT):
+    """TinyGPT with its 4 layers called one by one and a graph break after layer 1."""
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tok(ids) + self.pos(pos)
+        x = self.blocks[1](self.blocks[0](x))
+        torch._dynamo.graph_break()
+        x = self.blocks[3](self.blocks[2](x))
+        return self.head(self.ln_f(x))
+
+
+def test_graph_break_between_layers():
+    """Each graph gets its own layer mapping (global layer indices); the recompute group
+    [0-2] spans the break, each graph recomputes its part; a warning says so and gives
+    the bytes crossing the break; gradients stay equal to eager."""
+    torch.manual_seed(0)
+    model = UnrolledGPT(vocab=128, hidden=64, heads=4, layers=4, seq=32)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    b = remat_pass.backend("uniform", 3)
+    with pytest.warns(GraphBreakWarning) as caught:
+        loss = F.cross_entropy(torch.compile(model, backend=b)(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+    eager = F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten())
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert [r.layers for r in b.reports] == [(0, 1), (2, 3)]
+    assert [sorted(s.layers for s in r.step.segments) for r in b.reports] == [[(0, 1, 2)], [(0, 1, 2), (3,)]]
+    first = b.reports[0]
+    # the tensor crossing the break: the residual stream after layer 1, [2, 32, 64] fp32
+    assert first.boundary_output_bytes == 2 * 32 * 64 * 4
+    text = str(caught[-1].message)
+    assert "recompute group [0-2] spans graphs" in text and first.graph_id in text
+    assert b.graph_breaks() == text
+
+
+class _BreakThen(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.inner(x)
+
+
+def test_graph_break_inside_layer_loop():
+    """A break inside a layer called from a loop: Dynamo skips the loop's frame and
+    compiles each layer's forward as its own frame, rooted at the layer, so no graph
+    records the stack path: they are compiled with ``none``, the warning says so, and
+    gradients stay equal to eager."""
+    model, (ids,), loss_fn = small_tiny_gpt(layers=3)
+    model.blocks[1].ln_2 = _BreakThen(model.blocks[1].ln_2)
+    ref = copy.deepcopy(model)
+    b = remat_pass.backend("uniform", 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = loss_fn(torch.compile(model, backend=b)(ids))
+        loss.backward()
+    eager = loss_fn(ref(ids))
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    assert b.reports and all(r.layers == () and r.schedule == "none" for r in b.reports)
+    texts = [str(w.message) for w in caught]
+    assert any("holds no layer of the stack" in t for t in texts)
+    assert "hold no layer of the stack" in b.graph_breaks()
+
+
+def test_report_dir_option_and_env(tmp_path, monkeypatch):
+    try:
+        from remat_pass.inspection import load_dump
+    except ImportError:  # the inspect dump is written only where inspection exists
+        load_dump = None
+    suffixes = [".json", ".md"] + ([".remat.json"] if load_dump else [])
+
+    model, loss_of = _model("tiny", 0.0)
+    b = remat_pass.backend("block", 3, report_dir=tmp_path / "opt")
+    _train(torch.compile(model, backend=b), loss_of, steps=1)
+    (r,) = b.reports
+    stem = "graph_" + r.graph_id.replace("/", "_")
+    folder = tmp_path / "opt"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(stem + s for s in suffixes)
+    assert sorted(map(str, b.files)) == sorted(str(folder / (stem + s)) for s in suffixes)
+    data = json.loads((folder / f"{stem}.json").read_text())
+    assert data["graph_id"] == r.graph_id and data["schedule"] == "block(N=3)"
+    assert data["memory"]["peak_bytes"] == r.memory.peak_bytes
+    assert "block(N=3)" in (folder / f"{stem}.md").read_text()
+    if load_dump:
+        assert load_dump(folder / f"{stem}.remat.json")
+
+    torch._dynamo.reset()
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path / "env"))
+    model, loss_of = _model("tiny", 0.0)
+    b = remat_pass.backend("none")
+    _train(torch.compile(model, backend=b), loss_of, steps=1)
+    assert len(list((tmp_path / "env").glob("graph_*"))) == len(suffixes)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        ({"schedule": "sometimes"}, InvalidSchedule, "none, uniform, block"),
+        ({"schedule": "uniform", "num_layers": 0}, InvalidSchedule, "1..L"),
+        ({"schedule": "uniform", "num_layers": None}, InvalidSchedule, "1..L"),
+        ({"schedule": "block", "num_layers": -1}, InvalidSchedule, "0..L"),
+        ({"schedule": "uniform", "budget_bytes": 10}, InvalidSchedule, "optimized"),
+        ({"schedule": "optimized", "budget_bytes": 10}, InvalidSchedule, "none, uniform or block"),
+        ({"compiler": "tvm"}, InvalidBackendOption, "eager, inductor"),
+    ],
+)
+def test_option_errors(kwargs, error, words):
+    with pytest.raises(error, match=words.replace(".", r"\.")):
+        remat_pass.backend(**kwargs)
+
+
+def test_option_errors_at_compile_and_registered_options():
+    with pytest.raises(InvalidBackendOption, match="schedule, num_layers"):
+        registered_backend({"schedul": "uniform"})
+    # K larger than the stack: found when the graph compiles, and the message names L
+    model, loss_of = _model("tiny", 0.0)
+    b = remat_pass.backend("uniform", 9)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        loss_of(torch.compile(model, backend=b))
+    inner = info.value.inner_exception
+    assert isinstance(inner, InvalidSchedule) and "1..L" in str(inner) and "L=3" in str(inner)
+
+
+def test_registered_name():
+    """``backend="remat"`` through the torch_dynamo_backends entry point, with options."""
+    from torch._dynamo.backends.registry import list_backends
+
+    assert "remat" in list_backends()
+    start, loss_of, eager_losses, eager_params = _eager_run("tiny", 0.0)
+    model = copy.deepcopy(start)
+    options = {"schedule": "uniform", "num_layers": 2}
+    losses = _train(torch.compile(model, backend="remat", options=options), loss_of)
+    assert all(torch.equal(a, b_) for a, b_ in zip(losses, eager_losses))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_params))
+    reports = registered_backend(options).reports
+    assert reports and reports[-1].schedule == "uniform(K=2)"
+
+
+@pytest.mark.skipif(
+    os.environ.get("REMAT_PASS_TEST_INDUCTOR") != "1",
+    reason="Inductor compiles C++ for a minute on 2 CPU cores; set REMAT_PASS_TEST_INDUCTOR=1",
+)
+def test_inductor_compiler():
+    """compiler='inductor': the rewritten graphs go through Inductor; the loss and
+    gradients match eager within float tolerance (Inductor fuses and reorders)."""
+    model, (ids,), loss_fn = small_tiny_gpt(layers=2)
+    ref = copy.deepcopy(model)
+    b = remat_pass.backend("uniform", 1, compiler="inductor")
+    loss = loss_fn(torch.compile(model, backend=b)(ids))
+    loss.backward()
+    eager = loss_fn(ref(ids))
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    (r,) = b.reports
+    assert r.schedule == "uniform(K=1)" and sorted(s.layers for s in r.step.segments) == [(0,), (1,)]
