@@ -1,0 +1,160 @@
+"""Solvers: the chain dynamic program against brute force (no torch), and the planner
+on real graphs: model peak == liveness peak, budgets bound the measured peak, the
+optimized schedule beats uniform/block, and the peak never rises as the budget falls
+(case C2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from remat_pass.errors import InfeasibleBudget
+from solvers import ChainCosts, least_peak, least_recompute, model_peak, pareto_front
+
+
+def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Every schedule: each layer stored or in a group of consecutive layers."""
+    out: list[tuple] = []
+
+    def rec(i: int, acc: list) -> None:
+        if i == L:
+            out.append(tuple(acc))
+            return
+        rec(i + 1, acc)
+        for q in range(i, L):
+            rec(q + 1, acc + [tuple(range(i, q + 1))])
+
+    rec(0, [])
+    return out
+
+
+def random_costs(L: int, seed: int) -> ChainCosts:
+    r = random.Random(seed)
+
+    def v(lo: int, hi: int) -> tuple[int, ...]:
+        return tuple(r.randint(lo, hi) for _ in range(L))
+
+    return ChainCosts(
+        stored_saved_bytes=v(50, 200), last_saved_bytes=v(5, 20), member_saved_bytes=v(0, 3),
+        stored_forward_bytes=v(40, 150), recomputed_forward_bytes=v(30, 120),
+        stored_backward_bytes=v(100, 300), recomputed_backward_bytes=v(100, 300),
+        carry_bytes=v(50, 200), last_recompute_flops=v(10, 100), member_recompute_flops=v(10, 100),
+        head_bytes=r.randint(0, 400), outer_bytes=r.randint(0, 300),
+        shared_checkpoint_bytes=r.randint(0, 30),
+    )
+
+
+@pytest.mark.parametrize("L,seed", [(1, 0), (3, 1), (4, 2), (5, 3), (6, 4)])
+def test_dynamic_program_is_exact(L, seed):
+    c = random_costs(L, seed)
+    every = [model_peak(c, g) for g in all_groupings(L)]
+    least = min(s.peak_bytes for s in every)
+    most = max(s.peak_bytes for s in every)
+    for budget in sorted({least, (least + most) // 2, most, least + 7}):
+        fit = [s for s in every if s.peak_bytes <= budget]
+        best = min(s.recompute_flops for s in fit)
+        sol = least_recompute(c, budget)
+        assert sol.recompute_flops == best
+        assert sol.peak_bytes <= budget
+        assert model_peak(c, sol.groups).peak_bytes == sol.peak_bytes
+    with pytest.raises(InfeasibleBudget) as e:
+        least_recompute(c, least - 1)
+    assert e.value.least_feasible_peak_bytes == least
+    # the dual
+    for f in sorted({0, max(s.recompute_flops for s in every) // 2}):
+        want = min(s.peak_bytes for s in every if s.recompute_flops <= f)
+        assert least_peak(c, f).peak_bytes == want
+    # the Pareto front: no schedule is strictly better on both
+    for p in pareto_front(c):
+        assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
+
+
+def test_negative_recompute_budget():
+    with pytest.raises(ValueError):
+        least_peak(random_costs(2, 0), -1)
+
+
+# --------------------------------------------------------------------------- real graphs
+
+torch = pytest.importorskip("torch")
+from remat_pass import schedule as S  # noqa: E402
+from remat_pass.symbolic import Planner  # noqa: E402
+from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
+
+
+def _hetero():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hetero.py"
+    spec = importlib.util.spec_from_file_location("remat_hetero", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def hetero_planner() -> Planner:
+    model, inputs, loss_fn = _hetero().hetero_gpt(batch=3, seq=16, layers=5)
+    return Planner(Session.create(model, inputs, loss_fn))
+
+
+@pytest.fixture(scope="module")
+def gpt2_planner() -> Planner:
+    pytest.importorskip("transformers")
+    from remat_pass.models import gpt2
+
+    model, inputs, loss_fn = gpt2(batch=2, seq=32, layers=3, hidden=64, heads=4, vocab=128, dropout=0.1)
+    return Planner(Session.create(model, inputs, loss_fn))
+
+
+@pytest.mark.parametrize("which", ["hetero_planner", "gpt2_planner"])
+def test_model_peak_equals_liveness_for_every_schedule(which, request):
+    planner: Planner = request.getfixturevalue(which)
+    L = planner.model.num_layers
+    every = all_groupings(L)
+    for groups in random.Random(0).sample(every, min(len(every), 25)):
+        sch = S.optimized(groups, L)
+        rep = planner.report(sch)
+        m = model_peak(planner.costs, groups)
+        assert (m.peak_bytes, m.recompute_flops) == (rep.peak_bytes, rep.recompute_flops), sch.provenance
+
+
+def _budget_table(planner: Planner, n: int = 6):
+    least = planner.least_feasible()[1]
+    top = planner.unconstrained_peak_bytes
+    budgets = sorted({least + (top - least) * i // (n - 1) for i in range(n)}, reverse=True)
+    return budgets, planner.plan_many(budgets)
+
+
+@pytest.mark.parametrize("which", ["hetero_planner", "gpt2_planner"])
+def test_budgets_bound_measured_peak_and_beat_megatron(which, request):
+    planner: Planner = request.getfixturevalue(which)
+    session = planner.session
+    L = planner.model.num_layers
+    megatron = [(s, planner.report(s)) for s in megatron_schedules(L)]
+    budgets, plans = _budget_table(planner)
+    measured = []
+    strictly_better = 0
+    for budget, plan in zip(budgets, plans):
+        result = session.evaluate(plan.schedule)
+        assert result.grads_equal
+        assert plan.predicted_peak_bytes <= budget
+        assert result.measured_peak_bytes <= budget * 1.03
+        fits = [r.recompute_flops for s, r in megatron if r.peak_bytes <= budget]
+        if fits:
+            assert plan.recompute_flops <= min(fits)
+            strictly_better += plan.recompute_flops < min(fits)
+        measured.append(result.measured_peak_bytes)
+    # case C2: as the budget falls, the measured peak never rises
+    assert all(b <= a for a, b in zip(measured, measured[1:])), measured
+    if which == "hetero_planner":
+        assert strictly_better >= 1
+
+
+def test_budget_below_least_feasible_raises(hetero_planner):
+    least = hetero_planner.least_feasible()[1]
+    with pytest.raises(InfeasibleBudget) as e:
+        hetero_planner.plan(least - 1)
+    assert e.value.least_feasible_peak_bytes == least
+    assert hetero_planner.plan(least).predicted_peak_bytes <= least
