@@ -29,6 +29,16 @@ STEPS = 5
 SCHEDULES = {"uniform2": ("uniform", 2), "block3": ("block", 3), "none": ("none", None)}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared machine
+    (steps 100x slower with 2 threads under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Every test compiles new models: start from an empty Dynamo cache (its per-code
