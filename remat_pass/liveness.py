@@ -18,8 +18,9 @@ Memory model (DESIGN.md, Memory accounting):
 - Allocator: ``"cpu"`` counts exact bytes; ``"cuda"`` rounds every block up to a
   multiple of 512 bytes as the CUDA caching allocator does (``kMinBlockSize``).
 
-Ignored: scratch buffers an op allocates and frees inside itself (workspace), allocator
-fragmentation and caching, and non-tensor values.
+Scratch buffers an op allocates and frees inside itself are modelled only where known
+(``costs.transient_bytes``: CPU dropout and the RNG-replay wrapper); other ops'
+workspace, allocator fragmentation and caching, and non-tensor values are ignored.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .costs import node_flops, same_storage, storage_nbytes, tensor_val
+from .costs import node_flops, same_storage, storage_nbytes, tensor_val, transient_bytes
 from .rewrite import RewrittenStep
 
 ALLOCATORS = ("cpu", "cuda")
@@ -119,7 +120,7 @@ class MemoryReport:
 
 @dataclasses.dataclass
 class _Storage:
-    nbytes: int
+    nbytes: Any
     first: int
     last: int
     name: str
@@ -134,27 +135,36 @@ def _round(nbytes: int, allocator: str) -> int:
     return nbytes
 
 
-def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
-    """Liveness of ``step``: timeline, peak, what is live at the peak, saved bytes.
+@dataclasses.dataclass
+class Intervals:
+    """The storages of a rewritten step and the steps they are live at.
+
+    Attributes:
+        storages: every storage (static ones with ``first == -1``); ``nbytes`` is what
+            the ``size_of`` function of ``live_intervals`` returned (bytes: an int, or a
+            sympy expression for symbolic shapes); live at steps ``first..last``.
+        fw_steps, bw_steps: the nodes run as steps, forward then backward; step ``i``
+            is ``(fw_steps + bw_steps)[i]``.
+        saved_sids: index into ``storages`` of each saved value (None: not a tensor).
+    """
+
+    storages: list[_Storage]
+    fw_steps: list[fx.Node]
+    bw_steps: list[fx.Node]
+    saved_sids: list[Any]
+
+
+def live_intervals(step: RewrittenStep, size_of: Any) -> Intervals:
+    """Storages of ``step`` with their live intervals (the memory model above).
 
     Args:
-        step: the rewritten step (``rewrite.rewrite``).
-        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes).
+        step: the rewritten step.
+        size_of: ``size_of(fake tensor) -> bytes`` of its storage; the interval
+            computation never looks at sizes, so they may be sympy expressions.
 
     Returns:
-        The MemoryReport; all sizes in bytes.
-
-    Raises:
-        ValueError: unknown allocator, or a symbolic (non-integer) size; use the
-            symbolic model for dynamic shapes.
-
-    Example:
-        Eight ``Linear(256, 256)`` layers, batch 137, fp32, ``none``: the peak is the
-        saved inputs plus the gradients live when backward ends; see
-        ``tests/test_liveness.py`` for the hand count.
+        The Intervals. The steps and intervals depend only on the graphs, not on sizes.
     """
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
     storages: list[_Storage] = []
     fw_nodes = list(step.forward.graph.nodes)
     bw_nodes = list(step.backward.graph.nodes)
@@ -167,22 +177,10 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
     fw_end = len(fw_steps) - 1
     saved_set = set(step.saved)
 
-    def size(val: torch.Tensor) -> int:
-        nbytes = storage_nbytes(val)
-        if not isinstance(nbytes, int):
-            try:
-                nbytes = int(nbytes)
-            except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
-                    "shapes (use the symbolic model)"
-                ) from e
-        return _round(nbytes, allocator)
-
     def new_storage(val: torch.Tensor, node: fx.Node, static: bool, kind: str) -> int:
         first = -1 if static else step_of[node]
         storages.append(
-            _Storage(size(val), first, first, node.name, step.layer_of.get(node.name), kind, static)
+            _Storage(size_of(val), first, first, node.name, step.layer_of.get(node.name), kind, static)
         )
         return len(storages) - 1
 
@@ -229,7 +227,10 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
 
     def visit(node: fx.Node, graph_end: int, kind: str) -> None:
         parent = node.args[0] if node.args else None
-        if node.target is operator.getitem and isinstance(sid_of.get(parent), list):
+        if node.op == "get_attr":  # a constant of the graph module: exists before the step
+            val = tensor_val(node)
+            sid_of[node] = None if val is None else new_storage(val, node, True, "static")
+        elif node.target is operator.getitem and isinstance(sid_of.get(parent), list):
             sid_of[node] = sid_of[parent][node.args[1]]
         else:
             # a tuple result holds its elements until its last getitem
@@ -282,6 +283,48 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
             if not s.static:
                 s.kind = "gradient"
 
+    return Intervals(storages, fw_steps, bw_steps, saved_sids)
+
+
+def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
+    """Liveness of ``step``: timeline, peak, what is live at the peak, saved bytes.
+
+    Args:
+        step: the rewritten step (``rewrite.rewrite``).
+        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes).
+
+    Returns:
+        The MemoryReport; all sizes in bytes.
+
+    Raises:
+        ValueError: unknown allocator, or a symbolic (non-integer) size; use the
+            symbolic model for dynamic shapes.
+
+    Example:
+        Eight ``Linear(256, 256)`` layers, batch 137, fp32, ``none``: the peak is the
+        saved inputs plus the gradients live when backward ends; see
+        ``tests/test_liveness.py`` for the hand count.
+    """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
+
+    def size(val: torch.Tensor) -> int:
+        nbytes = storage_nbytes(val)
+        if not isinstance(nbytes, int):
+            try:
+                nbytes = int(nbytes)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
+                    "shapes (use the symbolic model)"
+                ) from e
+        return _round(nbytes, allocator)
+
+    iv = live_intervals(step, size)
+    storages, fw_steps, bw_steps, saved_sids = iv.storages, iv.fw_steps, iv.bw_steps, iv.saved_sids
+    end = len(fw_steps) + len(bw_steps) - 1
+    fw_end = len(fw_steps) - 1
+
     # sweep
     nsteps = end + 1
     delta = [0] * (nsteps + 1)
@@ -290,6 +333,11 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
             continue
         delta[s.first] += s.nbytes
         delta[s.last + 1] -= s.nbytes
+    for i, n in enumerate(fw_steps + bw_steps):
+        scratch = transient_bytes(n) if allocator == "cpu" else 0
+        if scratch:  # live during this op only
+            delta[i] += scratch
+            delta[i + 1] -= scratch
     timeline: list[TimelineStep] = []
     live = 0
     all_steps = fw_steps + bw_steps

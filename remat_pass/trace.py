@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from .errors import RematError, UnsupportedGraph
@@ -49,6 +51,11 @@ class JointGraph:
         primal_labels: the parameter / buffer name or "input[i]" for each primal.
         tangent_values: the real tangents (``ones_like(loss)``).
         model: the traced module (its parameters are the "param" primals).
+        symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
+            name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
+            used for the input dimensions given that name (``(s0, s2)``); empty for a
+            concrete trace.
+        shape_env: the ShapeEnv of a symbolic trace (None for a concrete trace).
     """
 
     gm: fx.GraphModule
@@ -60,6 +67,8 @@ class JointGraph:
     primal_labels: list[str]
     tangent_values: list[torch.Tensor]
     model: torch.nn.Module
+    symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shape_env: Any = None
 
     def node(self, name: str) -> fx.Node:
         """The joint node called ``name`` (KeyError if there is none)."""
@@ -167,6 +176,7 @@ def trace_joint(
     model: torch.nn.Module,
     example_inputs: Any,
     loss_fn: LossFn | None = None,
+    symbols: Mapping[str, Any] | None = None,
 ) -> JointGraph:
     """Trace ``loss = loss_fn(model(*example_inputs)); loss.backward()`` as one joint graph.
 
@@ -176,6 +186,15 @@ def trace_joint(
             arguments. Tensors among them become primals; other values are constants.
         loss_fn: maps the model output to a scalar loss; None if the output is the loss
             or carries ``.loss``.
+        symbols: None (default) for concrete shapes. Otherwise the input dimensions
+            that become named symbols: ``{"batch": [("input_ids", 0), ("labels", 0)],
+            "seq": ("input_ids", 1)}``; each entry is ``(key, dim)`` or a list of them,
+            ``key`` a positional index (int) or a keyword name (str) of
+            ``example_inputs``. Parameters and buffers keep static shapes. The example
+            sizes are only hints (each must be >= 2); every size in the graph becomes a
+            sympy expression of the symbols (``JointGraph.symbols`` maps the names).
+            Tensors the loss or model build from outside the inputs keep their
+            concrete shape, so keep every shape-carrying tensor among the inputs.
 
     Returns:
         The JointGraph (AOTAutograd's joint graph before partitioning).
@@ -184,6 +203,9 @@ def trace_joint(
         UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
             running statistics) or returns aliases of its inputs.
         RematError: no scalar loss.
+        ValueError: a ``symbols`` entry names no tensor input or dimension.
+        UnsupportedGraph: the step specializes a symbol to one value (code that
+            branches on that size), so the graph is not valid for other sizes.
 
     Example:
         >>> m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
@@ -231,15 +253,28 @@ def trace_joint(
     def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         raise _JointCaptured(joint, num_fwd_outputs)
 
+    trace_values: list[Any] = list(primal_values)
+    dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
+    shape_env = None
+    if symbols:
+        trace_values, dims_of_symbol, shape_env = _symbolic_inputs(
+            symbols, primal_values, n_p + n_b, arg_spec, kwarg_spec
+        )
     compiled = aot_function(
         step,
         fw_compiler=lambda g, _: g,
         bw_compiler=lambda g, _: g,
         partition_fn=capture,
+        dynamic=bool(symbols),
     )
+    # Tensors the model or loss_fn close over (targets, masks) become graph constants.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with fx_traceback.preserve_node_meta():
-            compiled(*primal_values)
+        # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
+        # there would make Hugging Face models take data-dependent branches
+        context = contextlib.nullcontext() if symbols else tracing(TracingContext(fake_mode))
+        with fx_traceback.preserve_node_meta(), context:
+            compiled(*trace_values)
     except _JointCaptured as c:
         joint, num_fwd_outputs = c.joint, c.num_fwd_outputs
     else:  # pragma: no cover - aot_function always partitions when a grad is needed
@@ -263,7 +298,24 @@ def trace_joint(
     tangent_values = []
     for name in tangents:
         val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
-        tangent_values.append(torch.ones(val.shape, dtype=val.dtype, device=val.device))
+        shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
+        tangent_values.append(torch.ones(shape, dtype=val.dtype, device=val.device))
+    named_symbols: dict[str, Any] = {}
+    for name, dims in dims_of_symbol.items():
+        exprs = []
+        for flat_index, dim in dims:
+            size = trace_values[flat_index].shape[dim]
+            expr = shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
+            if not getattr(expr, "is_Symbol", False):
+                raise UnsupportedGraph(
+                    f"the traced step specializes symbol {name!r} (input dimension "
+                    f"{(primal_labels[flat_index], dim)}) to {expr}: the model branches on "
+                    "that size, so its graph holds only for that value; trace it with "
+                    "concrete shapes"
+                )
+            if expr not in exprs:
+                exprs.append(expr)
+        named_symbols[name] = tuple(exprs)
     return JointGraph(
         gm=joint,
         primals=primals,
@@ -274,4 +326,71 @@ def trace_joint(
         primal_labels=primal_labels,
         tangent_values=tangent_values,
         model=model,
+        symbols=named_symbols,
+        shape_env=shape_env,
     )
+
+
+def _symbolic_inputs(
+    symbols: Mapping[str, Any],
+    primal_values: list[torch.Tensor],
+    num_params_buffers: int,
+    arg_spec: list,
+    kwarg_spec: dict,
+) -> tuple[list[Any], dict[str, list[tuple[int, int]]], Any]:
+    """Fake primals for a symbolic trace: parameters and buffers static, the named input
+    dimensions dynamic (one fresh symbol each; AOTAutograd's guards unify the dimensions
+    of one name). Returns ``(fake primals, name -> [(flat index, dim)], shape_env)``."""
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
+    dynamic: dict[int, set[int]] = {}
+    for name, entries in symbols.items():
+        if isinstance(entries, tuple) and len(entries) == 2 and isinstance(entries[1], int):
+            entries = [entries]
+        dims_of_symbol[name] = []
+        for key, dim in entries:
+            spec = arg_spec[key] if isinstance(key, int) and 0 <= key < len(arg_spec) else (
+                kwarg_spec.get(key) if isinstance(key, str) else None
+            )
+            if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__"):
+                raise ValueError(
+                    f"symbol {name!r}: {key!r} is not a tensor input; tensor inputs are "
+                    f"positions {[i for i, a in enumerate(arg_spec) if isinstance(a, tuple)]} "
+                    f"and keywords {[k for k, a in kwarg_spec.items() if isinstance(a, tuple)]}"
+                )
+            flat_index = num_params_buffers + spec[1]
+            value = primal_values[flat_index]
+            if not 0 <= dim < value.dim():
+                raise ValueError(
+                    f"symbol {name!r}: input {key!r} has {value.dim()} dimensions, no dimension {dim}"
+                )
+            if value.shape[dim] < 2:
+                raise ValueError(
+                    f"symbol {name!r}: the example size of input {key!r} dimension {dim} is "
+                    f"{value.shape[dim]}; symbolic sizes need an example size >= 2"
+                )
+            dims_of_symbol[name].append((flat_index, dim))
+            dynamic.setdefault(flat_index, set()).add(dim)
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fakes: list[Any] = []
+    memo: dict[int, Any] = {}
+    for i, v in enumerate(primal_values):
+        if i in dynamic:
+            ctx = StatelessSymbolicContext(
+                dynamic_sizes=[
+                    DimDynamic.DYNAMIC if d in dynamic[i] else DimDynamic.STATIC
+                    for d in range(v.dim())
+                ]
+            )
+            fake = memo[id(v)] if id(v) in memo else mode.from_tensor(v, symbolic_context=ctx)
+        else:
+            fake = mode.from_tensor(v, static_shapes=True)
+        memo.setdefault(id(v), fake)
+        fakes.append(fake)
+    return fakes, dims_of_symbol, shape_env
