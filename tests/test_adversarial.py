@@ -862,6 +862,73 @@ def test_sdpa_with_dropout():
     sweep_model(_stack(2, SDPA), (_x(),), num_layers=2)
 
 
+def test_multi_output_ops_with_integer_results():
+    class TopK(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = self.fc(x)
+            v, i = h.topk(4, -1)
+            ordered, _ = h.sort(-1)
+            top, _ = h.max(-1, keepdim=True)
+            return torch.tanh(h) * top + ordered + x.scatter(-1, i, v)
+
+    sweep_model(_stack(3, TopK), (_x(),), num_layers=3)
+
+
+class _Item(Block):
+    def forward(self, x):
+        return self.fc1(x) * float(x.abs().max().item())
+
+
+class _Branch(Block):
+    def forward(self, x):
+        return self.fc1(x) if x.sum() > 0 else -self.fc1(x)
+
+
+class _MaskIndex(Block):
+    def forward(self, x):
+        h = self.fc1(x)
+        return h[h > 0].sum() + x
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="data-dependent ops (.item(), a branch on a tensor, boolean-mask indexing): "
+    "trace_joint lets torch's DataDependentOutputException / DynamicOutputShapeException "
+    "escape from Session.create instead of raising UnsupportedGraph",
+)
+@pytest.mark.parametrize("cls", [_Item, _Branch, _MaskIndex], ids=["item", "branch", "mask_index"])
+def test_data_dependent_ops_are_refused(cls):
+    with pytest.raises(RematError):
+        Session.create(_stack(2, cls), (_x(),), None)
+
+
+def test_losses_that_are_not_a_differentiable_scalar_are_refused():
+    model = Stack([Block() for _ in range(2)], return_hidden=True)
+    with pytest.raises(RematError, match="scalar"):
+        Session.create(model, (_x(),), lambda y: y.sum(-1))
+    with pytest.raises(RematError, match="scalar"):
+        Session.create(model, (_x(),), None)
+    with pytest.raises(RematError):
+        Session.create(model, (_x(),), lambda y: (y > 0).sum())
+    frozen = _stack(2)
+    frozen.requires_grad_(False)
+    with pytest.raises(RematError, match="requires grad"):
+        Session.create(frozen, (_x(),), None)
+
+
+def test_dropout_in_eval_mode():
+    def block():
+        return nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5))
+
+    model = _stack(2, block)
+    model.eval()
+    sweep_model(model, (_x(),), num_layers=2)
+
+
 # ---- 12. the user's own activation checkpointing ---------------------------------------
 
 
