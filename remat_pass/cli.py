@@ -2,6 +2,9 @@
 
 Subcommands:
     sweep   every Megatron recompute setting on a model: predicted vs measured peak.
+    inspect the rewritten forward / backward graphs of a model or of a graph dump.
+    report  liveness report: Markdown, versioned JSON, PNG timeline.
+    check   CI gate: exit 1 when the predicted peak exceeds a budget or regresses.
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
 shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
@@ -77,6 +80,150 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if all(r.grads_equal for r in results) else 1
 
 
+def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> None:
+    """Add ``--schedule none|uniform|block``, ``--num-layers K`` and ``--all-schedules``."""
+    g = p.add_argument_group("schedule")
+    g.add_argument("--schedule", choices=("none", "uniform", "block"), default="none",
+                   help="recompute method (Megatron-LM --recompute-method; default: %(default)s)")
+    g.add_argument("--num-layers", type=int, metavar="K",
+                   help="K for uniform, N for block (Megatron-LM --recompute-num-layers)")
+    if allow_all:
+        g.add_argument("--all-schedules", action="store_true",
+                       help="every Megatron setting: none, uniform K=1..L, block N=0..L")
+    g.add_argument("--allocator", choices=("cpu", "cuda"), default="cpu",
+                   help="allocator model for the predicted bytes (default: %(default)s)")
+
+
+def _schedules(args: argparse.Namespace, num_layers: int) -> list:
+    from . import schedule as schedules
+    from .sweep import megatron_schedules
+
+    if getattr(args, "all_schedules", False):
+        return megatron_schedules(num_layers)
+    if args.schedule != "none" and args.num_layers is None:
+        raise ValueError(f"--schedule {args.schedule} needs --num-layers K (the layer stack has L={num_layers})")
+    return [schedules.make(args.schedule, args.num_layers, num_layers)]
+
+
+def _meta(args: argparse.Namespace, session: Session) -> dict:
+    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers}
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+def _predict(args: argparse.Namespace, session: Session, sched):  # noqa: ANN001, ANN202
+    from .liveness import analyze
+    from .rewrite import rewrite
+
+    step = rewrite(session.joint, session.stack, sched)
+    return step, analyze(step, args.allocator)
+
+
+def _write(path: str, text: str) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text, encoding="utf-8")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print the rewritten graphs, saved activations and recompute segments."""
+    from .inspection import describe_step, dump_step, load_dump, render
+
+    sections = args.section or ["summary", "forward", "backward", "saved", "segments"]
+    if args.graph:
+        desc = load_dump(args.graph)
+    else:
+        session = load_session(args)
+        (sched,) = _schedules(args, session.stack.num_layers)
+        step, report = _predict(args, session, sched)
+        desc = describe_step(step, report, _meta(args, session))
+        if args.dump:
+            path = dump_step(step, report, args.dump, sched.provenance, _meta(args, session))
+            print(f"wrote {path}", file=sys.stderr)
+    sys.stdout.write(render(desc, sections, args.only_layer))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
+    from .inspection import measured_step_timeline
+    from .report import (fmt_bytes, mib, plot_timeline, report_json, report_markdown, reports_document,
+                         summary_markdown, write_report)
+
+    session = load_session(args)
+    todo = _schedules(args, session.stack.num_layers)
+    if args.png and len(todo) != 1:
+        raise ValueError("--png draws one schedule: drop --all-schedules or --png")
+    docs, parts = [], []
+    for sched in todo:
+        step, report = _predict(args, session, sched)
+        docs.append(report_json(report, step, timeline=args.timeline))
+        text = report_markdown(report, step)
+        measured = None
+        if args.measure:
+            measured = measured_step_timeline(step, session.joint, seed=args.seed)
+            diffs = [m - p.live_bytes for p, m in zip(report.timeline, measured) if m != p.live_bytes]
+            text += (f"\nMeasured (CPU profiler, per step): peak {mib(max(measured))} MiB; "
+                     f"predicted {mib(report.peak_bytes)} MiB; {len(diffs)} of {len(measured)} steps differ"
+                     + (f", measured minus predicted from {fmt_bytes(min(diffs))} to {fmt_bytes(max(diffs))}"
+                        " (scratch memory inside an op that the model does not count)" if diffs else "")
+                     + ".\n")
+        parts.append(text)
+        if args.png:
+            plot_timeline(report, args.png, measured, step=step)
+            print(f"wrote {args.png}", file=sys.stderr)
+    if len(todo) == 1:
+        markdown = parts[0]
+    else:
+        markdown = (f"### remat-pass: predicted peaks of {args.model}\n\n" + summary_markdown(docs) + "\n\n"
+                    + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n</details>\n"
+                                for d, t in zip(docs, parts)))
+    if args.markdown:
+        _write(args.markdown, markdown)
+    else:
+        sys.stdout.write(markdown)
+    if args.json:
+        if len(docs) == 1 and not args.all_schedules:
+            doc = {**docs[0], "meta": _meta(args, session)}
+        else:
+            doc = reports_document(docs, _meta(args, session))
+        write_report(args.json, doc)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """CI gate: exit 1 when a predicted peak exceeds --budget or regresses past --baseline."""
+    from .gate import parse_bytes, parse_fraction, run_gate
+    from .report import read_reports, report_json, reports_document, summary_markdown, write_report
+
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    limit = parse_fraction(args.max_regression)
+    baseline = read_reports(args.baseline) if args.baseline else None
+    if budget is None and baseline is None:
+        raise ValueError("nothing to check: give --budget SIZE and/or --baseline PATH")
+    if args.report:
+        docs = read_reports(args.report)
+    else:
+        session = load_session(args)
+        docs = []
+        for sched in _schedules(args, session.stack.num_layers):
+            step, report = _predict(args, session, sched)
+            docs.append(report_json(report, step))
+        if args.json:
+            write_report(args.json, reports_document(docs, _meta(args, session)))
+            print(f"wrote {args.json}", file=sys.stderr)
+    result = run_gate(docs, budget_bytes=budget, baseline=baseline, max_regression_fraction=limit)
+    print(result.text())
+    if args.markdown:
+        verdict = "passed" if result.ok else "FAILED"
+        _write(args.markdown, f"### remat-pass check {verdict}\n\n{summary_markdown(docs)}\n\n"
+                              f"```\n{result.text()}\n```\n")
+    return result.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -88,6 +235,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("inspect", help="the rewritten forward/backward graphs, saved activations, recompute segments")
+    add_model_args(p)
+    add_schedule_args(p, allow_all=False)
+    p.add_argument("--graph", metavar="PATH", help="read a graph dump (*.remat.json, written by the torch.compile "
+                   "backend or --dump) instead of tracing a model")
+    p.add_argument("--section", action="append", choices=("summary", "forward", "backward", "saved", "segments", "code"),
+                   help="what to print (repeatable; default: all but code)")
+    p.add_argument("--only-layer", metavar="LAYER", help="node tables: only this layer (an index or 'outer')")
+    p.add_argument("--dump", metavar="DIR", help="also write the dump file that --graph reads into DIR")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("report", help="liveness report: Markdown (CI step summary), versioned JSON, PNG timeline")
+    add_model_args(p)
+    add_schedule_args(p)
+    p.add_argument("--markdown", metavar="PATH", help="write the Markdown here instead of stdout")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report (schema: remat_pass/report_schema.json)")
+    p.add_argument("--timeline", action="store_true", help="JSON: include the live bytes at every step")
+    p.add_argument("--png", metavar="PATH", help="draw the memory timeline, stacked by layer (needs matplotlib)")
+    p.add_argument("--measure", action="store_true",
+                   help="run the step on CPU and overlay the measured per-step bytes (PNG) and peak (Markdown)")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("check", help="CI gate: exit 1 when the predicted peak exceeds a budget or regresses")
+    add_model_args(p)
+    add_schedule_args(p)
+    p.add_argument("--budget", metavar="SIZE", help="largest allowed predicted peak, e.g. 2GiB, 512MiB, 1.5GB")
+    p.add_argument("--baseline", metavar="PATH", help="baseline report JSON (remat-pass report/check --json)")
+    p.add_argument("--max-regression", default="0%", metavar="FRACTION",
+                   help="allowed growth over the baseline peak, e.g. 5%% or 0.05 (default: %(default)s)")
+    p.add_argument("--report", metavar="PATH", help="check this report JSON instead of tracing a model")
+    p.add_argument("--json", metavar="PATH", help="write the current reports as JSON (to update a baseline)")
+    p.add_argument("--markdown", metavar="PATH", help="write the verdict as Markdown (e.g. $GITHUB_STEP_SUMMARY)")
+    p.set_defaults(func=cmd_check)
     return parser
 
 

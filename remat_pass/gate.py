@@ -1,0 +1,288 @@
+"""The CI gate: fail when a predicted peak exceeds a budget or regresses against a baseline.
+
+Used by ``remat-pass check`` (exit status 0 = pass, 1 = a check failed, 2 = bad input)
+and by the pytest plugin. It works on ``report.report_json`` dicts, so a report
+computed now and one read from a committed JSON file are compared the same way.
+
+A failure explains itself: the peak and the limit, where the peak is, and which
+tensors grew: bytes live at the peak by layer (baseline, now, change) and the tensors
+live at the peak and the saved activations, matched by layer and node name, that are
+new or larger than in the baseline. Node names are those of the rewritten graphs; the
+same model and schedule trace to the same names, so the comparison is exact when
+nothing changed and names the culprits when something did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+from .report import fmt_bytes
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 2**20, "mb": 10**6, "mib": 2**20,
+    "g": 2**30, "gb": 10**9, "gib": 2**30,
+    "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """A size such as ``2GiB``, ``512 MiB``, ``1.5GB``, ``300000`` as an int of bytes.
+
+    Binary units (KiB, MiB, GiB, TiB; K, M, G, T alone) are powers of 1024; decimal
+    units (KB, MB, GB, TB) powers of 1000; case is ignored.
+
+    Raises:
+        ValueError: not a non-negative number followed by one of those units.
+
+    Example:
+        >>> parse_bytes("2GiB"), parse_bytes("1.5 MB"), parse_bytes("4096")
+        (2147483648, 1500000, 4096)
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size {text} is negative")
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"size {text!r} is not a number of bytes with an optional unit: use e.g. 2GiB, "
+            "512MiB, 1.5GB or 300000 (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    return int(round(float(m.group(1)) * _UNITS[unit]))
+
+
+def parse_fraction(text: str | float) -> float:
+    """``5%`` or ``0.05`` as 0.05.
+
+    Raises:
+        ValueError: not a non-negative number, with or without ``%``.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%?)\s*", str(text))
+        if not m:
+            raise ValueError(f"regression limit {text!r} is not a fraction: use e.g. 5% or 0.05")
+        value = float(m.group(1)) / (100 if m.group(2) else 1)
+    if value < 0:
+        raise ValueError(f"regression limit {text!r} is negative")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """The outcome of one check on one schedule.
+
+    Attributes:
+        schedule: the schedule's provenance (``uniform(K=4)``).
+        check: "budget" or "baseline".
+        ok: whether it passed.
+        headline: one line: the figures and the verdict.
+        details: the explanation (empty when it passed).
+    """
+
+    schedule: str
+    check: str
+    ok: bool
+    headline: str
+    details: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    """Every finding of a gate run; ``exit_code`` is 0 when all passed, else 1."""
+
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every check passed."""
+        return all(f.ok for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        """``EXIT_OK`` or ``EXIT_FAILED``."""
+        return EXIT_OK if self.ok else EXIT_FAILED
+
+    def text(self) -> str:
+        """The findings, failures with their explanations, and a last verdict line."""
+        lines = []
+        for f in self.findings:
+            lines.append(("PASS  " if f.ok else "FAIL  ") + f.headline)
+            lines += ["      " + d for d in f.details]
+        failed = sum(not f.ok for f in self.findings)
+        lines.append(
+            f"remat-pass check: {len(self.findings) - failed} of {len(self.findings)} checks passed"
+            + ("" if not failed else f"; {failed} failed")
+        )
+        return "\n".join(lines)
+
+
+def _where(d: dict[str, Any]) -> str:
+    p = d["peak"]
+    layer = "outer" if p["layer"] is None else f"layer {p['layer']}"
+    return f"{p['phase']}, {layer}, node {p['node']}"
+
+
+def _pct(new: int, old: int) -> str:
+    return f"{100 * (new - old) / old:+.2f} %" if old else "new"
+
+
+def _layer_key(layer: int | None) -> str:
+    return "outer" if layer is None else str(layer)
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+
+
+def what_is_live(report: dict[str, Any], top: int = 8) -> list[str]:
+    """Lines naming the bytes live at the peak by layer and the largest live tensors."""
+    by_layer = ", ".join(f"{k}: {fmt_bytes(v)}" for k, v in report["live_at_peak_by_layer"].items())
+    out = [f"live at the peak by layer: {by_layer}", "largest tensors live at the peak:"]
+    for t in report["live_at_peak"][:top]:
+        out.append(f"  {t['name']} (layer {_layer_key(t['layer'])}, {t['kind']}): {fmt_bytes(t['bytes'])}")
+    more = len(report["live_at_peak"]) - top
+    if more > 0:
+        out.append(f"  ... and {more} more")
+    return out
+
+
+def _by_key(tensors: Sequence[dict[str, Any]]) -> dict[tuple[str, str], int]:
+    """Bytes per (layer, node name); a multi-output node's storages are summed."""
+    out: dict[tuple[str, str], int] = {}
+    for t in tensors:
+        key = (_layer_key(t["layer"]), t["name"])
+        out[key] = out.get(key, 0) + t["bytes"]
+    return out
+
+
+def explain_growth(current: dict[str, Any], baseline: dict[str, Any], top: int = 10) -> list[str]:
+    """Which tensors grew from ``baseline`` to ``current`` (both ``report_json`` dicts).
+
+    Returns:
+        Lines: where the peak is now and was; bytes live at the peak per layer that
+        changed (baseline -> now); tensors live at the peak that are new or larger,
+        matched by (layer, node name), largest growth first; the same for saved
+        activations. At most ``top`` tensors per list; the storages of a multi-output
+        node (same name) are summed.
+    """
+    lines = [f"peak now at {_where(current)}; baseline at {_where(baseline)}"]
+    cur_l, base_l = current["live_at_peak_by_layer"], baseline["live_at_peak_by_layer"]
+    keys = sorted(set(cur_l) | set(base_l), key=lambda k: (k != "outer", int(k) if k != "outer" else -1))
+    changed = [(k, base_l.get(k, 0), cur_l.get(k, 0)) for k in keys if base_l.get(k, 0) != cur_l.get(k, 0)]
+    if changed:
+        lines.append("live at the peak by layer (baseline -> now):")
+        for k, old, new in sorted(changed, key=lambda c: -(c[2] - c[1])):
+            lines.append(f"  {'outer' if k == 'outer' else 'layer ' + k}: {fmt_bytes(old)} -> {fmt_bytes(new)} ({_signed(new - old)})")
+    for field, title in (("live_at_peak", "tensors live at the peak"), ("saved", "saved activations")):
+        old, new = _by_key(baseline[field]), _by_key(current[field])
+        grew = sorted(
+            ((k, old.get(k), b) for k, b in new.items() if b > old.get(k, 0)),
+            key=lambda g: (-(g[2] - (g[1] or 0)), g[0]),
+        )
+        gone = sum(1 for k in old if k not in new)
+        total_old, total_new = sum(old.values()), sum(new.values())
+        head = (f"{title}: {len(current[field])} tensors, {fmt_bytes(total_new)} "
+                f"(baseline {len(baseline[field])}, {fmt_bytes(total_old)})")
+        if not grew:
+            lines.append(head + "; none new or larger" + (f"; {gone} no longer there" if gone else ""))
+            continue
+        lines.append(head + f"; {len(grew)} new or larger" + (f", {gone} no longer there" if gone else "") + ":")
+        for (layer, name), was, now in grew[:top]:
+            label = "new" if was is None else f"{fmt_bytes(was)} ->"
+            lines.append(f"  {name} (layer {layer}): {label} {fmt_bytes(now)} ({_signed(now - (was or 0))})")
+        if len(grew) > top:
+            lines.append(f"  ... and {len(grew) - top} more")
+    return lines
+
+
+def check_budget(report: dict[str, Any], budget_bytes: int, top: int = 8) -> Finding:
+    """Whether ``report``'s predicted peak fits ``budget_bytes`` (peak <= budget passes)."""
+    peak = report["peak_bytes"]
+    name = report["schedule"]["provenance"]
+    ok = peak <= budget_bytes
+    verdict = "within" if ok else "EXCEEDS"
+    headline = (
+        f"{name}: predicted peak {fmt_bytes(peak)} ({peak:,} B) {verdict} the budget "
+        f"{fmt_bytes(budget_bytes)} ({budget_bytes:,} B)"
+        + ("" if ok else f" by {fmt_bytes(peak - budget_bytes)}")
+    )
+    details = () if ok else tuple([f"peak at {_where(report)}", *what_is_live(report, top)])
+    return Finding(name, "budget", ok, headline, details)
+
+
+def check_regression(
+    report: dict[str, Any], baseline: dict[str, Any], max_regression_fraction: float, top: int = 10
+) -> Finding:
+    """Whether ``report``'s peak is at most ``baseline``'s times ``1 + max_regression_fraction``."""
+    peak, base = report["peak_bytes"], baseline["peak_bytes"]
+    name = report["schedule"]["provenance"]
+    limit = base * (1 + max_regression_fraction)
+    ok = peak <= limit
+    change = _pct(peak, base)
+    headline = (
+        f"{name}: predicted peak {fmt_bytes(peak)} ({peak:,} B) vs baseline {fmt_bytes(base)} "
+        f"({base:,} B): {change}, limit +{100 * max_regression_fraction:g} %"
+        + ("" if ok else " -> REGRESSION")
+    )
+    notes = []
+    if report.get("allocator") != baseline.get("allocator"):
+        notes.append(f"note: allocator {report.get('allocator')} vs baseline {baseline.get('allocator')}")
+    details = () if ok else tuple(notes + explain_growth(report, baseline, top))
+    return Finding(name, "baseline", ok, headline, details)
+
+
+def run_gate(
+    reports: Sequence[dict[str, Any]],
+    *,
+    budget_bytes: int | None = None,
+    baseline: Sequence[dict[str, Any]] | None = None,
+    max_regression_fraction: float = 0.0,
+    top: int = 10,
+) -> GateResult:
+    """Check every report against the budget and / or the baseline.
+
+    Args:
+        reports: ``report_json`` dicts, one per schedule.
+        budget_bytes: the largest allowed predicted peak (bytes), or None.
+        baseline: baseline ``report_json`` dicts, matched to ``reports`` by schedule
+            provenance; a schedule without a baseline fails (say what to do).
+        max_regression_fraction: allowed growth over the baseline peak (0.05 = 5 %).
+
+    Returns:
+        A GateResult; ``exit_code`` 1 when any check failed.
+
+    Raises:
+        ValueError: neither a budget nor a baseline was given, or no report.
+    """
+    if budget_bytes is None and baseline is None:
+        raise ValueError("nothing to check: give a budget (--budget 2GiB) and/or a baseline (--baseline report.json)")
+    if not reports:
+        raise ValueError("no report to check")
+    findings: list[Finding] = []
+    base_by_name = {b["schedule"]["provenance"]: b for b in baseline or ()}
+    for r in reports:
+        name = r["schedule"]["provenance"]
+        if budget_bytes is not None:
+            findings.append(check_budget(r, budget_bytes, top))
+        if baseline is not None:
+            if name not in base_by_name:
+                findings.append(Finding(
+                    name, "baseline", False,
+                    f"{name}: no baseline for this schedule (baseline has: "
+                    f"{', '.join(sorted(base_by_name)) or 'nothing'})",
+                    ("write one with `remat-pass report ... --json PATH` and commit it",),
+                ))
+            else:
+                findings.append(check_regression(r, base_by_name[name], max_regression_fraction, top))
+    return GateResult(tuple(findings))

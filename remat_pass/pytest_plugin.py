@@ -1,0 +1,171 @@
+"""pytest plugin: assert a model's predicted peak memory in a project's own tests.
+
+Installed with remat-pass (entry point ``pytest11: remat_pass``), so any project that
+has remat-pass installed gets:
+
+- the ``remat_peak`` fixture, a ``PeakChecker``: ``remat_peak.check(model, inputs,
+  loss_fn, schedule="uniform", k=2, budget="2GiB", baseline="baselines/gpt.json",
+  max_regression="5%")`` traces one training step, rewrites it under the schedule,
+  predicts its peak by liveness analysis (no run, no GPU) and fails the test with
+  ``remat-pass check``'s explanation when the peak exceeds the budget or grows past
+  the baseline; it returns the report (``report.report_json`` dict).
+- the marker ``@pytest.mark.remat_budget("2GiB")``: the budget ``check`` uses when
+  none is passed.
+- ``--remat-update-baseline``: ``check`` writes (overwrites) its baseline file instead
+  of comparing; commit the file to accept the new figures.
+- the ini option ``remat_max_regression`` (default ``0%``): the growth allowed over a
+  baseline when ``check`` is not given ``max_regression``.
+
+Relative baseline paths are resolved against the directory of the test file.
+
+Example::
+
+    def test_peak(remat_peak):
+        model, inputs, loss_fn = remat_pass.models.linear_chain(layers=4)
+        remat_peak.check(model, inputs, loss_fn, schedule="uniform", k=2,
+                         budget="4MiB", baseline="peak_baseline.json")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--remat-update-baseline`` and the ``remat_max_regression`` ini option."""
+    group = parser.getgroup("remat-pass", "predicted peak memory (remat-pass)")
+    group.addoption(
+        "--remat-update-baseline", action="store_true", default=False,
+        help="remat_peak.check writes its baseline file instead of comparing with it",
+    )
+    parser.addini("remat_max_regression", "growth allowed over a remat-pass baseline peak (e.g. 5%)", default="0%")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``remat_budget`` marker."""
+    config.addinivalue_line(
+        "markers", "remat_budget(size): the default budget (e.g. '2GiB') of remat_peak.check in this test"
+    )
+
+
+class PeakChecker:
+    """Predict a model's peak and assert it; one per test (the ``remat_peak`` fixture)."""
+
+    def __init__(self, request: pytest.FixtureRequest):
+        self._request = request
+        marker = request.node.get_closest_marker("remat_budget")
+        self.default_budget = marker.args[0] if marker and marker.args else None
+        self.update_baseline = bool(request.config.getoption("--remat-update-baseline"))
+        self.default_max_regression = request.config.getini("remat_max_regression") or "0%"
+
+    def predict(
+        self,
+        model: Any,
+        example_inputs: Any = None,
+        loss_fn: Any = None,
+        *,
+        schedule: str = "none",
+        k: int | None = None,
+        stack: str | None = None,
+        allocator: str = "cpu",
+        **factory_kwargs: Any,
+    ) -> dict[str, Any]:
+        """The predicted report (``report_json`` dict) of one training step.
+
+        Args:
+            model: an ``nn.Module`` (then ``example_inputs`` and ``loss_fn`` as for
+                ``trace_joint``), or a factory spec ``"module:factory"`` called with
+                ``factory_kwargs``.
+            schedule, k: ``none`` | ``uniform`` (K) | ``block`` (N).
+            stack: module path of the layer stack when not found automatically.
+            allocator: "cpu" or "cuda" byte model.
+
+        Raises:
+            RematError, ValueError: tracing, layer stack or schedule errors.
+        """
+        from . import schedule as schedules
+        from .liveness import analyze
+        from .models import build
+        from .regions import assign_layers
+        from .report import report_json
+        from .rewrite import rewrite
+        from .trace import trace_joint
+
+        if isinstance(model, str):
+            model, example_inputs, loss_fn = build(model, **factory_kwargs)
+        joint = trace_joint(model, example_inputs, loss_fn)
+        layer_stack = assign_layers(joint, stack)
+        step = rewrite(joint, layer_stack, schedules.make(schedule, k, layer_stack.num_layers))
+        return report_json(analyze(step, allocator), step)
+
+    def check(
+        self,
+        model: Any,
+        example_inputs: Any = None,
+        loss_fn: Any = None,
+        *,
+        schedule: str = "none",
+        k: int | None = None,
+        budget: str | int | None = None,
+        baseline: str | Path | None = None,
+        max_regression: str | float | None = None,
+        stack: str | None = None,
+        allocator: str = "cpu",
+        **factory_kwargs: Any,
+    ) -> dict[str, Any]:
+        """Predict (as ``predict``), then fail the test if the peak exceeds ``budget``
+        (default: the ``remat_budget`` marker) or grows more than ``max_regression``
+        (default: ini ``remat_max_regression``) over ``baseline``.
+
+        Returns:
+            The report dict (also when the check passes).
+
+        Raises:
+            pytest.fail.Exception: the check failed (the message is ``remat-pass check``'s
+                explanation), no budget or baseline was given, or the baseline file is
+                missing (run pytest with ``--remat-update-baseline`` to write it).
+        """
+        from .gate import parse_bytes, parse_fraction, run_gate
+        from .report import read_reports, reports_document, write_report
+
+        budget = budget if budget is not None else self.default_budget
+        if budget is None and baseline is None:
+            pytest.fail("remat_peak.check needs a budget (argument or @pytest.mark.remat_budget) or a baseline",
+                        pytrace=False)
+        report = self.predict(model, example_inputs, loss_fn, schedule=schedule, k=k, stack=stack,
+                              allocator=allocator, **factory_kwargs)
+        base_docs = None
+        if baseline is not None:
+            path = Path(baseline)
+            if not path.is_absolute():
+                path = Path(self._request.path).parent / path
+            if self.update_baseline:
+                docs = read_reports(path) if path.exists() else []
+                name = report["schedule"]["provenance"]
+                docs = [d for d in docs if d["schedule"]["provenance"] != name] + [report]
+                write_report(path, reports_document(docs))
+            elif not path.exists():
+                pytest.fail(f"no remat-pass baseline at {path}: run pytest --remat-update-baseline to write it, "
+                            "then commit it", pytrace=False)
+            else:
+                base_docs = read_reports(path)
+        if budget is None and base_docs is None:
+            return report
+        limit = parse_fraction(max_regression if max_regression is not None else self.default_max_regression)
+        result = run_gate([report], budget_bytes=parse_bytes(budget) if budget is not None else None,
+                          baseline=base_docs, max_regression_fraction=limit)
+        if not result.ok:
+            pytest.fail(result.text(), pytrace=False)
+        return report
+
+
+@pytest.fixture
+def remat_peak(request: pytest.FixtureRequest) -> PeakChecker:
+    """A PeakChecker: ``remat_peak.check(model, inputs, loss_fn, budget=..., baseline=...)``."""
+    return PeakChecker(request)
+
+
+__all__ = ["PeakChecker", "remat_peak"]

@@ -1,0 +1,111 @@
+"""The pytest plugin, used from a small test project (pytester)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PROJECT_TEST = '''
+import pytest
+from remat_pass.models import linear_chain
+
+BATCH = {batch}
+
+
+def test_budget_passes(remat_peak):
+    report = remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), budget="1GiB")
+    assert report["peak_bytes"] > 0
+
+
+@pytest.mark.remat_budget("1KiB")
+def test_marker_budget_fails(remat_peak):
+    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", k=1)
+
+
+def test_baseline(remat_peak):
+    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", k=2,
+                     baseline="baselines/chain.json")
+
+
+def test_factory_spec(remat_peak):
+    report = remat_peak.predict("remat_pass.models:linear_chain", layers=2, width=64, batch=BATCH)
+    assert report["schedule"]["provenance"] == "none"
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _import_what_the_project_imports():
+    """pytester runs the project in this process and afterwards drops the modules the run
+    imported; torch cannot import some of them twice (TORCH_LIBRARY registrations), so
+    import them here first, by doing once what the project's tests do."""
+    from remat_pass import schedule
+    from remat_pass.gate import run_gate
+    from remat_pass.liveness import analyze
+    from remat_pass.models import linear_chain
+    from remat_pass.regions import assign_layers
+    from remat_pass.report import report_json
+    from remat_pass.rewrite import rewrite
+    from remat_pass.trace import trace_joint
+
+    joint = trace_joint(*linear_chain(batch=4, width=8, layers=2))
+    stack = assign_layers(joint)
+    step = rewrite(joint, stack, schedule.uniform(1, 2))
+    run_gate([report_json(analyze(step), step)], budget_bytes=1)
+
+
+def write_project(pytester, batch):
+    pytester.makepyfile(test_project=PROJECT_TEST.format(batch=batch))
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="pytest11")
+    assert any(ep.value == "remat_pass.pytest_plugin" for ep in eps)
+
+
+def test_plugin_from_a_project(pytester):
+    write_project(pytester, batch=32)
+    # no baseline yet: the baseline test fails and says how to write one
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*EXCEEDS the budget 1.0 KiB*", "*--remat-update-baseline*"])
+    # write it deliberately
+    result = pytester.runpytest("-p", "no:cacheprovider", "--remat-update-baseline", "-k", "baseline")
+    result.assert_outcomes(passed=1)
+    baseline = pytester.path / "baselines" / "chain.json"
+    doc = json.loads(baseline.read_text())
+    assert doc["kind"] == "remat-pass-reports"
+    assert [d["schedule"]["provenance"] for d in doc["reports"]] == ["uniform(K=2)"]
+    # same model: passes against it
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
+    result.assert_outcomes(passed=1)
+    # a larger batch: the peak grows, the test fails and names the tensors that grew
+    write_project(pytester, batch=48)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*uniform(K=2): predicted peak*REGRESSION*", "*new or larger*"])
+    # ... unless the ini option allows the growth
+    pytester.makeini("[pytest]\nremat_max_regression = 200%\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
+    result.assert_outcomes(passed=1)
+
+
+def test_check_without_budget_or_baseline_fails(pytester):
+    pytester.makepyfile(test_x='''
+from remat_pass.models import linear_chain
+
+def test_nothing(remat_peak):
+    remat_peak.check(*linear_chain(batch=8, width=32, layers=2))
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*needs a budget*"])
+
+
+def test_marker_is_registered(pytester):
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["*remat_budget(size)*"])
+    assert pytest is not None
