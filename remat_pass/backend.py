@@ -95,10 +95,13 @@ class BackendOptions:
 
     Attributes:
         schedule: ``"none"``, ``"uniform"`` or ``"block"`` (Megatron-LM's
-            ``--recompute-method``); ``"optimized"`` is reserved for the solver.
+            ``--recompute-method``), or ``"optimized"``: per compiled graph, the
+            least-recompute groups whose predicted peak fits ``budget_bytes``
+            (``symbolic.Planner``: the chain-model solver, checked by liveness).
         num_layers: K for uniform (1..L), N for block (0..L); ignored for none. L, the
             number of layers of the stack, is checked when a graph is compiled.
-        budget_bytes: peak budget for ``optimized`` (bytes).
+        budget_bytes: for ``optimized``: the peak activation bytes allowed per compiled
+            graph (static memory excluded, as ``MemoryReport.peak_bytes``).
         compiler: ``"eager"`` (run the fx graphs) or ``"inductor"``.
         layers: module path of the layer stack relative to the compiled module
             (``"transformer.h"``); None to find it.
@@ -108,7 +111,8 @@ class BackendOptions:
 
     Raises:
         InvalidSchedule: unknown schedule, K / N not an integer in range, a budget
-            without ``optimized``, or ``optimized`` (no solver in this version).
+            without ``optimized``, ``optimized`` without a positive budget, or the solver
+            cannot be imported.
         InvalidBackendOption: unknown compiler, or ``layers`` / ``report_dir`` of the
             wrong type.
     """
@@ -140,10 +144,19 @@ class BackendOptions:
                 f"schedule={self.schedule!r} takes num_layers"
             )
         if self.schedule == "optimized":
-            raise InvalidSchedule(
-                "schedule='optimized' needs the schedule solver, which this version of the "
-                "backend does not run yet; use none, uniform or block"
-            )
+            b = self.budget_bytes
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise InvalidSchedule(
+                    "schedule='optimized' needs budget_bytes, the peak activation bytes "
+                    f"allowed per compiled graph, an integer > 0; got {b!r}"
+                )
+            try:
+                from .symbolic import Planner  # noqa: F401
+            except ImportError as e:
+                raise InvalidSchedule(
+                    "schedule='optimized' needs the solver (remat_pass.symbolic, solvers/), "
+                    "which cannot be imported here; use none, uniform or block"
+                ) from e
         if self.compiler not in COMPILERS:
             raise InvalidBackendOption(
                 f"compiler={self.compiler!r} is not one of {', '.join(COMPILERS)}"
@@ -172,12 +185,13 @@ class BackendOptions:
         return cls(**options)
 
     def make_schedule(self, num_layers: int) -> schedules.Schedule:
-        """The Schedule for a stack of ``num_layers`` layers.
+        """The Schedule for a stack of ``num_layers`` layers (not for ``optimized``,
+        which the backend solves per graph).
 
         Raises:
             InvalidSchedule: K / N outside the range L allows (the message names L).
         """
-        if num_layers == 0 or self.schedule == "none":
+        if num_layers == 0 or self.schedule in ("none", "optimized"):
             return schedules.none(num_layers)
         return schedules.make(self.schedule, self.num_layers, num_layers)
 
@@ -520,6 +534,7 @@ class RematBackend:
 
         Raises:
             InvalidSchedule: K / N outside the range of the graph's layer stack.
+            InfeasibleBudget: ``optimized`` and no schedule fits the budget.
             UnsupportedGraph: RNG functionalization is on (seed / offset placeholders),
                 or the joint mutates a value in place.
         """
@@ -538,7 +553,8 @@ class RematBackend:
                 "turn that option off"
             )
         stack = self._layer_stack(joint, num_fwd_outputs, info["graph_id"])
-        if info.get("partial") and stack.num_layers and self.options.num_layers:
+        if (info.get("partial") and stack.num_layers and self.options.num_layers
+                and self.options.schedule in ("uniform", "block")):
             # the stack continues in another graph: K / N may exceed the layers seen here
             total = max(stack.num_layers, self.options.num_layers)
             stack = dataclasses.replace(
@@ -559,10 +575,16 @@ class RematBackend:
             tangent_values=[vals[t] for t in tangents],
             model=None,  # type: ignore[arg-type]
         )
+        for attr, value in (("shape_env", None), ("symbols", {})):
+            if not hasattr(joint_graph, attr):  # symbolic.SymbolicModel reads them
+                setattr(joint_graph, attr, value)
+        devices = {v.device.type for v in vals.values() if isinstance(v, torch.Tensor)}
+        allocator = "cuda" if "cuda" in devices else "cpu"
+        if self.options.schedule == "optimized" and stack.num_layers:
+            sched = self._optimized(joint_graph, stack, allocator, info)
         step = rewrite(joint_graph, stack, sched)
         concrete, symbolic = _concrete_step(step)
-        devices = {v.device.type for v in vals.values() if isinstance(v, torch.Tensor)}
-        memory = analyze(concrete, allocator="cuda" if "cuda" in devices else "cpu")
+        memory = analyze(concrete, allocator=allocator)
         fw, bw = aot_graphs(step)
 
         boundary = _boundary_bytes(concrete)
@@ -593,6 +615,34 @@ class RematBackend:
         self._write(report)
         self._warn_graph_breaks()
         return fw, bw
+
+    def _optimized(self, joint: JointGraph, stack: LayerStack, allocator: str,
+                   info: dict[str, Any]) -> schedules.Schedule:
+        """The least-recompute schedule whose predicted peak fits ``budget_bytes``
+        (``symbolic.Planner`` on this graph: chain-model solve, checked by liveness).
+
+        A graph with symbolic sizes reuses the groups chosen for the latest concrete
+        graph of its frame with the same number of layers.
+
+        Raises:
+            InfeasibleBudget: the budget is below the least feasible peak of the graph.
+            UnsupportedGraph: a symbolic graph with no earlier concrete graph to follow.
+        """
+        symbolic = any(_is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes)
+        if symbolic:
+            for r in reversed(self.reports):
+                s = r.step.schedule
+                if r.frame_id == info["frame"] and not r.symbolic and s.num_layers == stack.num_layers:
+                    return s
+            raise UnsupportedGraph(
+                f"graph {info['graph_id']}: schedule='optimized' solves on concrete sizes and "
+                "this graph's are symbolic with no earlier concrete graph of its frame; "
+                "compile with dynamic=False (torch.compile(..., dynamic=False))"
+            )
+        from .symbolic import Planner
+
+        planner = Planner(_GraphSession(joint, stack, allocator))
+        return planner.plan(int(self.options.budget_bytes)).schedule
 
     def _layer_stack(self, joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> LayerStack:
         try:
@@ -706,6 +756,20 @@ class RematBackend:
             warnings.warn(text, GraphBreakWarning, stacklevel=2)
 
 
+class _GraphSession:
+    """What ``symbolic.Planner`` reads of a ``sweep.Session``, for one compiled graph:
+    ``joint``, ``stack`` and ``prepare(schedule) -> (step, report, seconds)``."""
+
+    def __init__(self, joint: JointGraph, stack: LayerStack, allocator: str):
+        self.joint, self.stack, self.allocator = joint, stack, allocator
+
+    def prepare(self, schedule: schedules.Schedule) -> tuple[RewrittenStep, MemoryReport, float]:
+        start = time.perf_counter()
+        step = rewrite(self.joint, self.stack, schedule)
+        report = analyze(_concrete_step(step)[0], allocator=self.allocator)
+        return step, report, time.perf_counter() - start
+
+
 def _boundary_bytes(step: RewrittenStep) -> int:
     """Bytes of the distinct storages of the forward graph's outputs (not its inputs)."""
     out = step.forward.graph.output_node()
@@ -739,7 +803,9 @@ def backend(
             ``"block"`` (``--recompute-method block``).
         num_layers: K (uniform, 1..L) or N (block, 0..L), as
             ``--recompute-num-layers``; L is checked per compiled graph.
-        budget_bytes: reserved for ``schedule="optimized"``.
+        budget_bytes: with ``schedule="optimized"``, the peak activation bytes allowed
+            per compiled graph; the least-recompute groups that fit are chosen per graph
+            (``InfeasibleBudget``, carrying the least feasible peak, when none fits).
         compiler: ``"eager"`` (fx graphs as they are; gradients equal eager's on CPU)
             or ``"inductor"``.
         layers: the layer stack's module path (``"transformer.h"``) when it is not

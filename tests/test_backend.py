@@ -147,6 +147,42 @@ def test_report_equals_traced_pipeline():
     model.zero_grad(set_to_none=True)
 
 
+def test_optimized_schedule_with_budget():
+    """schedule='optimized': the least-recompute groups whose predicted peak fits the
+    budget (a budget halfway between uniform(K=1)'s peak and none's); gradients equal
+    eager's; a budget below the least feasible peak raises InfeasibleBudget with it."""
+    from remat_pass.errors import InfeasibleBudget
+
+    model, (ids,), loss_fn = small_tiny_gpt(layers=3)
+    session = Session.create(model, (ids,), loss_fn)
+    peak_none = session.prepare(schedules.none(3))[1].peak_bytes
+    peak_k1 = session.prepare(schedules.uniform(1, 3))[1].peak_bytes
+    budget = (peak_none + peak_k1) // 2
+    ref = copy.deepcopy(model)
+
+    def step(m):
+        return lambda x: F.cross_entropy(m(x).flatten(0, 1), x.roll(-1, 1).flatten())
+
+    b = remat_pass.backend("optimized", budget_bytes=budget)
+    loss = torch.compile(step(model), backend=b)(ids)
+    loss.backward()
+    eager = step(ref)(ids)
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    (r,) = b.reports
+    assert r.schedule.startswith("optimized(") and r.step.schedule.groups
+    assert peak_k1 <= r.memory.peak_bytes <= budget < peak_none
+
+    torch._dynamo.reset()
+    tight = remat_pass.backend("optimized", budget_bytes=peak_k1 // 2)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(step(copy.deepcopy(ref)), backend=tight)(ids)
+    inner = info.value.inner_exception
+    assert isinstance(inner, InfeasibleBudget)
+    assert peak_k1 // 2 < inner.least_feasible_peak_bytes <= peak_k1
+
+
 def test_eval_and_no_grad_are_not_rewritten():
     model, loss_of = _model("tiny", 0.0)
     ref = copy.deepcopy(model)
@@ -308,7 +344,8 @@ def test_report_dir_option_and_env(tmp_path, monkeypatch):
         ({"schedule": "uniform", "num_layers": None}, InvalidSchedule, "1..L"),
         ({"schedule": "block", "num_layers": -1}, InvalidSchedule, "0..L"),
         ({"schedule": "uniform", "budget_bytes": 10}, InvalidSchedule, "optimized"),
-        ({"schedule": "optimized", "budget_bytes": 10}, InvalidSchedule, "none, uniform or block"),
+        ({"schedule": "optimized"}, InvalidSchedule, "needs budget_bytes"),
+        ({"schedule": "optimized", "budget_bytes": -5}, InvalidSchedule, "integer > 0"),
         ({"compiler": "tvm"}, InvalidBackendOption, "eager, inductor"),
     ],
 )
