@@ -5,7 +5,8 @@ Rows, all on the same model, batch and initial weights (TinyGPT from
 
 - ``eager``: no torch.compile (the gradient reference).
 - ``remat``: ``torch.compile(step, backend=remat_pass.backend(...))`` for ``none``,
-  ``uniform(K)`` and ``block(N)``; the predicted peak of the compiled graph
+  ``uniform(K)``, ``block(N)`` and ``optimized`` (budget halfway between the
+  predicted peaks of ``uniform(K=1)`` and ``none``); the predicted peak of the compiled graph
   (``backend.reports[0].memory.peak_bytes``) is shown next to the measured one. The
   report counts the tangent of the loss (``ones_like(loss)``, an input of the backward
   graph) as static memory, while ``loss.backward()`` allocates it inside the step: the
@@ -46,6 +47,12 @@ from torch.utils.checkpoint import checkpoint
 import remat_pass
 from remat_pass.measure import _profiled_peak_cpu
 from remat_pass.models import TinyGPT
+from remat_pass.schedule import describe_groups
+
+
+def schedules_describe(schedule: Any) -> str:
+    """``recompute [0-3], store 4 5`` for a Schedule."""
+    return describe_groups(schedule.groups, schedule.num_layers)
 
 MIB = 2**20
 
@@ -163,13 +170,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     schedules = [("none", None), ("uniform", 1), ("uniform", K), ("uniform", L),
                  ("block", L // 2), ("block", L)]
+    predicted: dict[str, int] = {}
     for method, k in dict.fromkeys(schedules):
         b = remat_pass.backend(method, k)
         res = run_row(copy.deepcopy(base), ids,
                       lambda m, b=b: torch.compile(lambda x: loss_of(m, x), backend=b), args.repeats)
         (report,) = b.reports
+        predicted[report.schedule] = report.memory.peak_bytes
         add("remat", report.schedule, res, report.memory.peak_bytes,
             f"recompute {100 * report.memory.recompute_fraction:.0f}% fwd FLOPs")
+    # optimized: a budget halfway between uniform(K=1)'s predicted peak and none's
+    budget = (predicted["none"] + predicted["uniform(K=1)"]) // 2
+    b = remat_pass.backend("optimized", budget_bytes=budget)
+    res = run_row(copy.deepcopy(base), ids,
+                  lambda m: torch.compile(lambda x: loss_of(m, x), backend=b), args.repeats)
+    (report,) = b.reports
+    add("remat", f"optimized, budget {budget / MIB:.2f} MiB", res, report.memory.peak_bytes,
+        f"recompute {100 * report.memory.recompute_fraction:.0f}% fwd FLOPs; "
+        + schedules_describe(report.step.schedule))
 
     for k in sorted({1, K}):
         model = with_checkpoint_groups(base, k)
