@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.func import functional_call
 
 from .rewrite import RewrittenStep
 from .trace import JointGraph, _split_inputs, extract_loss
@@ -108,15 +107,25 @@ def eager_grads(
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Loss and parameter gradients from plain eager autograd (``loss.backward()``).
 
-    Parameters are the model's ``named_parameters()`` in order; the model's own
-    ``.grad`` fields are not touched (``torch.autograd.grad`` is used).
+    Parameters are the model's ``named_parameters()`` in order (None for a frozen one).
+    ``loss.backward()`` is used rather than ``torch.autograd.grad`` so that models using
+    reentrant ``torch.utils.checkpoint`` work; the parameters' own ``.grad`` fields are
+    restored afterwards.
     """
     args, kwargs = _split_inputs(example_inputs)
-    params = dict(model.named_parameters())
-    out = functional_call(model, params, args, kwargs)
-    loss = extract_loss(out, loss_fn)
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    return loss.detach(), list(grads)
+    params = list(model.parameters())
+    stash = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss = extract_loss(model(*args, **kwargs), loss_fn)
+        if loss.requires_grad:
+            loss.backward()
+        grads = [p.grad for p in params]
+    finally:
+        for p, g in zip(params, stash):
+            p.grad = g
+    return loss.detach(), grads
 
 
 def grads_bitwise_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:

@@ -51,14 +51,16 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
         model: the module.
         layers: module path of the stack (``"transformer.h"``); None to search for the
             longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one
-            class (ties: the first in ``named_modules`` order).
+            class (ties: the first in ``named_modules`` order), leaving out containers
+            that sit inside a layer of another such container (MoE experts).
 
     Returns:
         ``(path, child_names)``.
 
     Raises:
-        LayerStackNotFound: ``layers`` names no ModuleList/Sequential of the model, or no
-            such container with two or more same-class children exists.
+        LayerStackNotFound: ``layers`` names no ModuleList/Sequential of the model, no
+            such container with two or more same-class children exists, or one module
+            instance sits at two positions of a container.
     """
     containers = {
         name: mod
@@ -71,17 +73,31 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
                 f"layers={layers!r} is not an nn.ModuleList or nn.Sequential of "
                 f"{type(model).__name__}; those it has: {sorted(containers) or 'none'}"
             )
+        _refuse_shared_children(layers, containers[layers])
         children = [n for n, _ in containers[layers].named_children()]
         if not children:
             raise LayerStackNotFound(f"the layer stack {layers!r} has no children")
         return layers, children
-    best: tuple[str, list[str]] | None = None
     for name, mod in containers.items():
-        kids = list(mod.named_children())
-        if len(kids) < 2 or len({type(c) for _, c in kids}) != 1:
+        _refuse_shared_children(name, mod)
+    candidates = {
+        name: [n for n, _ in mod.named_children()]
+        for name, mod in containers.items()
+        if len(list(mod.children())) >= 2 and len({type(c) for c in mod.children()}) == 1
+    }
+    # a container inside one layer of another candidate (the experts of an MoE layer,
+    # the heads of an attention) is part of that layer, not the stack
+    nested = {
+        name for name in candidates
+        for other, kids in candidates.items()
+        if other != name and any(name.startswith(_join(other, k) + ".") for k in kids)
+    }
+    best: tuple[str, list[str]] | None = None
+    for name, kids in candidates.items():
+        if name in nested:
             continue
         if best is None or len(kids) > len(best[1]):
-            best = (name, [n for n, _ in kids])
+            best = (name, kids)
     if best is None:
         raise LayerStackNotFound(
             f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList or "
@@ -91,6 +107,26 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
             "layers='path.to.stack' (--layers on the command line)."
         )
     return best
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _refuse_shared_children(path: str, container: torch.nn.Module) -> None:
+    """Raise LayerStackNotFound when one module instance sits at two positions."""
+    seen: dict[int, str] = {}
+    for name, child in container._modules.items():
+        if child is None:
+            continue
+        if id(child) in seen:
+            raise LayerStackNotFound(
+                f"{_join(path, name)} is the same module instance as "
+                f"{_join(path, seen[id(child)])}: a layer used twice cannot be given one "
+                "layer index. Give every layer its own module (weights may still be tied "
+                "by sharing Parameters), or name another stack with layers="
+            )
+        seen[id(child)] = name
 
 
 def forward_node_names(gm: fx.GraphModule, num_fwd_outputs: int) -> list[str]:

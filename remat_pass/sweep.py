@@ -24,7 +24,7 @@ from .measure import (
     measure_step,
     run_joint,
 )
-from .regions import LayerStack, assign_layers
+from .regions import LayerStack, assign_layers, find_layer_stack
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule
 from .trace import JointGraph, trace_joint
@@ -118,6 +118,7 @@ class Session:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
                 assign_layers.
         """
+        find_layer_stack(model, layers)  # fail before tracing when there is none
         joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
         torch.manual_seed(seed)

@@ -26,7 +26,6 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
 
 from .errors import RematError, UnsupportedGraph
 
@@ -83,6 +82,19 @@ class JointGraph:
         return self.primal_kinds.count("param")
 
 
+def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+_DATA_DEPENDENT_ERRORS = _data_dependent_errors()
+
+
 class _JointCaptured(Exception):
     """Raised from the partition function to stop AOTAutograd once the joint exists."""
 
@@ -131,6 +143,28 @@ def record_module_stack(model: torch.nn.Module) -> Iterator[None]:
         h_post.remove()
         stack.clear()
         fx_traceback.current_meta.pop("nn_module_stack", None)
+
+
+@contextlib.contextmanager
+def bind_tensors(model: torch.nn.Module, replace: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Temporarily put ``replace[id(t)]`` in place of every parameter / buffer ``t``.
+
+    Each module is visited once and each tensor is swapped by identity, so shared
+    modules and tied weights stay shared, and everything is restored on exit
+    (``torch.func.functional_call`` does not restore a module registered twice).
+    """
+    undo: list[tuple[dict, str, Any]] = []
+    try:
+        for module in model.modules():
+            for slots in (module._parameters, module._buffers):
+                for name, t in list(slots.items()):
+                    if t is not None and id(t) in replace:
+                        undo.append((slots, name, t))
+                        slots[name] = replace[id(t)]
+        yield
+    finally:
+        for slots, name, t in reversed(undo):
+            slots[name] = t
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -218,6 +252,7 @@ def trace_joint(
     args, kwargs = _split_inputs(example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+    originals = [*params.values(), *buffers.values()]
     flat_inputs: list[torch.Tensor] = []
     labels: list[str] = []
 
@@ -241,13 +276,12 @@ def trace_joint(
         return spec
 
     def step(*flat: torch.Tensor) -> torch.Tensor:
-        p = dict(zip(params, flat[:n_p]))
-        b = dict(zip(buffers, flat[n_p : n_p + n_b]))
         ins = flat[n_p + n_b :]
         a = tuple(_fill(s, ins) for s in arg_spec)
         k = {key: _fill(s, ins) for key, s in kwarg_spec.items()}
-        with record_module_stack(model):
-            out = functional_call(model, {**p, **b}, a, k)
+        bound = {id(t): v for t, v in zip(originals, flat)}
+        with record_module_stack(model), bind_tensors(model, bound):
+            out = model(*a, **k)
         return extract_loss(out, loss_fn)
 
     def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
@@ -277,6 +311,13 @@ def trace_joint(
             compiled(*trace_values)
     except _JointCaptured as c:
         joint, num_fwd_outputs = c.joint, c.num_fwd_outputs
+    except _DATA_DEPENDENT_ERRORS as e:
+        raise UnsupportedGraph(
+            "the training step depends on tensor values (.item(), a Python branch on a "
+            "tensor, boolean-mask indexing or another op whose output shape depends on "
+            f"data: {type(e).__name__}), so it cannot be traced into one static graph. "
+            "Make the step shape-static, or keep that code outside the traced model."
+        ) from e
     else:  # pragma: no cover - aot_function always partitions when a grad is needed
         raise RematError(
             "AOTAutograd produced no joint graph: no parameter or input requires grad"
