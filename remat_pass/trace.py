@@ -318,6 +318,14 @@ def trace_joint(
             f"data: {type(e).__name__}), so it cannot be traced into one static graph. "
             "Make the step shape-static, or keep that code outside the traced model."
         ) from e
+    except (RuntimeError, NotImplementedError) as e:
+        raise UnsupportedGraph(
+            f"AOTAutograd could not trace the training step into a joint graph "
+            f"({type(e).__name__}: {e}). Run the model's forward and backward eagerly to "
+            "check it works; code that AOTAutograd cannot trace (reentrant "
+            "torch.utils.checkpoint, custom autograd.Function without a functional "
+            "backward) must be replaced or kept outside the traced model."
+        ) from e
     else:  # pragma: no cover - aot_function always partitions when a grad is needed
         raise RematError(
             "AOTAutograd produced no joint graph: no parameter or input requires grad"
