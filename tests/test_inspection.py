@@ -178,3 +178,21 @@ def test_storage_intervals_fields(chain_session):
     grads = [iv for iv in ivs if iv.kind == "gradient"]
     assert all(iv.last_step == len(report.timeline) - 1 for iv in grads)
     assert torch.is_tensor(chain_session.joint.primal_values[0])
+
+
+def test_inspect_a_dump_written_by_the_torch_compile_backend(tmp_path, capsys):
+    """What a user does after a training job compiled with the remat backend."""
+    backend_module = pytest.importorskip("remat_pass.backend")
+    from remat_pass.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, hidden=32, heads=2, layers=4, seq=16)
+    b = backend_module.backend(schedule="uniform", num_layers=2, report_dir=tmp_path)
+    torch.compile(model, backend=b)(torch.randint(0, 64, (2, 16))).sum().backward()
+    dumps = sorted(tmp_path.glob("*" + DUMP_SUFFIX))
+    assert dumps
+    desc = load_dump(dumps[0])
+    assert desc["report"]["schedule"]["provenance"] == "uniform(K=2)"
+    assert [s["layers"] for s in desc["segments"]] == [[2, 3], [0, 1]]
+    assert main(["inspect", "--graph", str(dumps[0]), "--section", "segments"]) == 0
+    assert "== recompute segments, in run order ==" in capsys.readouterr().out

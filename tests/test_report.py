@@ -185,3 +185,15 @@ def test_report_json_matches_analyze_for_cuda_allocator(chain_session):
     doc = report_json(report, step)
     validate(doc)
     assert doc["allocator"] == "cuda" and all(t["bytes"] % 512 == 0 for t in doc["live_at_peak"])
+
+
+def test_committed_reports_are_valid():
+    """The CI baseline and the example reports follow the schema this version writes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    paths = [root / ".ci" / "baseline" / "default_model.json", *sorted((root / "examples" / "reports").glob("*.json"))]
+    for path in paths:
+        if path.exists():
+            validate(json.loads(path.read_text()))
+            assert read_reports(path)
