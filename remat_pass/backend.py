@@ -15,7 +15,8 @@ For every graph Dynamo hands over:
    nodes (``nn_module_stack``; AOTAutograd copies the forward node's onto its backward
    nodes as ``fwd_nn_module_stack``), gives every node its layer
    (``regions.assign_layers_to_graph``), builds the Schedule for the layers of the
-   stack and rewrites (``rewrite.rewrite``). ``liveness.analyze`` predicts the graph's
+   stack (``optimized``: solved for this graph under ``budget_bytes`` by
+   ``symbolic.Planner``) and rewrites (``rewrite.rewrite``). ``liveness.analyze`` predicts the graph's
    peak; the report is kept in ``RematBackend.reports``.
 3. The forward and backward graphs are handed back in AOTAutograd's calling
    convention (``partitioners._extract_fwd_bwd_modules``): forward returns its outputs,
@@ -722,8 +723,9 @@ class RematBackend:
                 + (f" (ends at a graph break: {r.graph_break})" if r.graph_break else "")
                 + f": {_layers_text(r.layers)} of {r.layer_stack!r}, "
                 f"schedule {r.schedule}; {r.num_fwd_outputs} forward outputs "
-                f"({_mib(r.boundary_output_bytes)}) cross the break; saved activations "
-                f"{_mib(r.memory.saved_activation_bytes)} held until its backward; "
+                f"({_mib(r.boundary_output_bytes)}) leave the graph (held by what runs "
+                f"next); saved activations {_mib(r.memory.saved_activation_bytes)} held "
+                "until its backward; "
                 f"predicted peak {_mib(r.memory.peak_bytes)}"
             )
         split = {i: ids for i, ids in sorted(owners.items()) if len(ids) > 1}
@@ -822,9 +824,14 @@ def backend(
 
     Example:
         >>> import remat_pass, torch
+        >>> from remat_pass.models import TinyGPT
         >>> b = remat_pass.backend(schedule="uniform", num_layers=2)
-        >>> model = torch.compile(remat_pass.models.TinyGPT(layers=4), backend=b)
-        >>> # after one training step: b.reports[0].memory.peak_bytes, b.reports[0].graph_id
+        >>> model = TinyGPT(vocab=64, hidden=32, heads=2, layers=4, seq=16)
+        >>> ids = torch.randint(0, 64, (2, 16))
+        >>> torch.compile(model, backend=b)(ids).sum().backward()
+        >>> r = b.reports[0]
+        >>> r.graph_id, r.schedule, r.layer_stack, r.layers, [s.layers for s in r.step.segments]
+        ('0/0', 'uniform(K=2)', 'blocks', (0, 1, 2, 3), [(2, 3), (0, 1)])
     """
     return RematBackend(BackendOptions(
         schedule=schedule,
