@@ -957,19 +957,45 @@ def test_moe_layers_stack_found_automatically():
     assert s.stack.path == "blocks"
 
 
+class SDPA(nn.Module):
+    def __init__(self, dropout_p: float = 0.0):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.dropout_p = dropout_p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p)
+        return y.transpose(1, 2).reshape(B, T, D) + x
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="CPU flash attention: _scaled_dot_product_flash_attention_for_cpu and its "
+    "backward allocate per-thread scratch (576 B / 544 B here on 1 thread) not modelled "
+    "by costs.transient_bytes; every schedule under-predicted by ~550 B",
+)
+def test_sdpa_without_dropout():
+    sweep_model(_stack(2, SDPA), (_x(),), num_layers=2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="costs.is_random takes every op tagged nondeterministic_seeded as random, so "
+    "scaled_dot_product_attention with dropout_p=0 is RNG-replayed: each recomputed layer "
+    "saves a 5056 B CPU RNG state and runs under run_with_rng_state (correct, but wasted "
+    "memory)",
+)
+def test_sdpa_without_dropout_needs_no_rng_replay():
+    torch.manual_seed(0)
+    s = Session.create(_stack(2, SDPA), (_x(),), None)
+    step, _, _ = s.prepare(schedules.uniform(1, 2))
+    assert [seg.rng_replayed for seg in step.segments] == [(), ()]
+
+
 @pytest.mark.xfail(strict=True, reason=SCALAR_SCRATCH + " (sdpa's scale and dropout backward)")
 def test_sdpa_with_dropout():
-    class SDPA(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = nn.Linear(D, 3 * D)
-
-        def forward(self, x):
-            q, k, v = self.qkv(x).view(B, T, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
-            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
-            return y.transpose(1, 2).reshape(B, T, D) + x
-
-    sweep_model(_stack(2, SDPA), (_x(),), num_layers=2)
+    sweep_model(_stack(2, lambda: SDPA(0.1)), (_x(),), num_layers=2)
 
 
 def test_multi_output_ops_with_integer_results():
