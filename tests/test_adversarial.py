@@ -853,6 +853,27 @@ def test_heterogeneous_classes_named_explicitly():
     sweep_model(model, (_x(),), layers="blocks", num_layers=3)
 
 
+def test_model_is_the_stack_itself():
+    torch.manual_seed(0)
+    s = sweep_model(nn.Sequential(*[Block() for _ in range(3)]), (_x(),), sq, num_layers=3)
+    assert s.stack.path == ""
+
+
+def test_module_dict_stack_is_refused_clearly():
+    class Dict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleDict({f"l{i}": Block() for i in range(3)})
+
+        def forward(self, x):
+            for b in self.blocks.values():
+                x = b(x)
+            return sq(x)
+
+    with pytest.raises(LayerStackNotFound, match="ModuleList"):
+        Session.create(Dict(), (_x(),), None)
+
+
 def test_bad_stacks_are_refused():
     with pytest.raises(LayerStackNotFound, match="nope"):
         Session.create(_stack(2), (_x(),), None, layers="nope")
