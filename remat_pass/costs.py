@@ -71,33 +71,57 @@ def _inner_transient(target: Any, args: tuple, out: Any) -> int:
         x = args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
         return _numel_bytes(x)
     if target is aten.native_dropout_backward.default:
-        # grad_output * mask (a temporary), then * scale
-        return _numel_bytes(out)
+        # grad_output * mask (a temporary), then * scale (a wrapped Python scalar)
+        return _numel_bytes(out) + _wrapped_scalar_bytes(out)
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if name == "mean" or (
+        name in _BINARY_WITH_SCALAR
+        and len(args) > 1
+        and isinstance(args[1], (int, float))
+        and not isinstance(args[1], bool)
+    ):
+        return _wrapped_scalar_bytes(out)
     return 0
+
+
+# TensorIterator binary ops: a Python number as ``other`` is wrapped in a 0-dim tensor
+_BINARY_WITH_SCALAR = frozenset({"mul", "div", "add", "sub", "rsub"})
+
+
+def _wrapped_scalar_bytes(out: Any) -> int:
+    """A Python number operand becomes a 0-dim 8-byte tensor (double / int64), cast to
+    the result's dtype when that is not 8 bytes wide (ATen ``wrapped_scalar_tensor``)."""
+    if not isinstance(out, torch.Tensor):
+        return 0
+    size = out.element_size()
+    return 8 + (size if size != 8 else 0)
 
 
 def transient_bytes(node: fx.Node) -> int:
     """Bytes an op allocates and frees inside itself on CPU (0 where none is known).
 
-    Modelled from the ATen CPU kernels (``aten/src/ATen/native/Dropout.cpp``) and
-    ``torch._prims.rng_prims.run_with_rng_state``, which reads the current RNG state
+    Modelled from the ATen CPU kernels, as measured with the profiler's allocator
+    events: dropout (``aten/src/ATen/native/Dropout.cpp``), binary ops and ``mean``
+    with a Python-number operand (the number is wrapped in a 0-dim tensor, then cast),
+    and ``torch._prims.rng_prims.run_with_rng_state``, which reads the current RNG state
     (a copy of ``torch.get_rng_state()``) to restore it afterwards. Other ops' scratch
-    space is not modelled; on CUDA these kernels are fused and 0 is returned.
+    space (e.g. bfloat16 matmul buffers) is not modelled; on CUDA 0 is returned.
     """
     if node.op != "call_function":
         return 0
-    val = _leaf(node.meta.get("val"))
-    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
-        return 0
     name = getattr(node.target, "__name__", "")
+    val = node.meta.get("val")
+    if name == "run_and_save_rng_state":  # val = (rng state, the op's output)
+        val = val[1] if isinstance(val, (tuple, list)) and len(val) > 1 else None
+    out = _leaf(val)
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        return 0
     if name == "run_with_rng_state":
-        out = node.meta.get("val")
-        return RNG_STATE_BYTES["cpu"] + _inner_transient(node.args[1], node.args[2:], _leaf(out))
+        return RNG_STATE_BYTES["cpu"] + _inner_transient(node.args[1], node.args[2:], out)
     if name == "run_and_save_rng_state":
-        out = node.meta.get("val")
-        inner = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
-        return _inner_transient(node.args[0], node.args[1:], _leaf(inner))
-    return _inner_transient(node.target, node.args, val)
+        return _inner_transient(node.args[0], node.args[1:], out)
+    return _inner_transient(node.target, node.args, out)
 
 
 def node_flops(node: fx.Node) -> int:
