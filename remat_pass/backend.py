@@ -208,7 +208,8 @@ class GraphReport:
         graph_break: why Dynamo ended this graph when a graph break did (reason and
             source line), else None.
         schedule: the applied schedule's provenance (``uniform(K=2)``).
-        layer_stack: the stack's module path, None when the graph holds none.
+        layer_stack: the stack's module path (``""``: the compiled module itself), None
+            when the graph holds no layer.
         layers: layers of the stack with nodes in this graph.
         num_fwd_outputs: forward outputs of the graph (what crosses a graph break).
         boundary_output_bytes: bytes of those outputs (distinct storages).
@@ -319,7 +320,46 @@ def _concrete_step(step: RewrittenStep) -> tuple[RewrittenStep, bool]:
     return dataclasses.replace(step, forward=copy(step.forward), backward=copy(step.backward)), True
 
 
-def aot_graphs(step: RewrittenStep) -> tuple[fx.GraphModule, fx.GraphModule]:
+def split_input_mutations(
+    joint: fx.GraphModule, primals: Sequence[str]
+) -> tuple[fx.GraphModule, list[tuple[str, str]]]:
+    """The joint graph without its input-mutation epilogue, and that epilogue.
+
+    AOTAutograd keeps a mutation of a primal (BatchNorm's running statistics in train
+    mode) in the joint as ``aten.copy_(primal, new_value)`` with no users, at the end
+    of forward. The rewrite refuses in-place ops, so they are taken out here and put
+    back at the end of the forward graph by ``aot_graphs``.
+
+    Returns:
+        ``(joint without those copy_ nodes, [(primal name, new value's node name)])``;
+        ``joint`` itself is not modified.
+    """
+    primal_set = set(primals)
+    drop = [
+        n for n in joint.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+        and isinstance(n.args[0], fx.Node) and n.args[0].name in primal_set and not n.users
+    ]
+    if not drop:
+        return joint, []
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    dropped = set(drop)
+    for n in joint.graph.nodes:
+        if n in dropped:
+            continue
+        if n.op == "output":
+            g.output(fx.node.map_arg(n.args[0], env.__getitem__))
+            continue
+        env[n] = g.node_copy(n, env.__getitem__)
+        env[n].meta = dict(n.meta)
+    g.lint()
+    return fx.GraphModule(joint, g), [(n.args[0].name, n.args[1].name) for n in drop]
+
+
+def aot_graphs(
+    step: RewrittenStep, mutations: Sequence[tuple[str, str]] = ()
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``step``'s graphs in AOTAutograd's calling convention.
 
     ``forward(*primals) -> (*fwd_outputs, *saved_tensors, *saved_symints)`` and
@@ -327,6 +367,12 @@ def aot_graphs(step: RewrittenStep) -> tuple[fx.GraphModule, fx.GraphModule]:
     as ``torch._functorch.partitioners._extract_fwd_bwd_modules`` builds them. The
     primals backward reads (``step.backward_primal_indices``) are saved tensors (or
     SymInts) returned by forward. ``step`` is not modified.
+
+    ``mutations`` (``split_input_mutations``): each ``(primal, value)`` becomes
+    ``aten.copy_(primal, value)`` at the end of forward, as AOTAutograd placed it. A
+    recomputed node that reads a mutated primal must see the value forward saw: forward
+    saves a clone of the primal taken before the mutation, and the recompute reads it
+    (backward nodes read the primal itself, as under AOTAutograd's own partition).
     """
     fw = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -334,30 +380,62 @@ def aot_graphs(step: RewrittenStep) -> tuple[fx.GraphModule, fx.GraphModule]:
     k = step.num_fwd_outputs
     fwd_outs, saved_outs = list(out_args[:k]), list(out_args[k:])
     placeholders = {n.name: n for n in fw.nodes if n.op == "placeholder"}
+    by_name = {n.name: n for n in fw.nodes}
     bw_src = [n for n in step.backward.graph.nodes if n.op == "placeholder"]
     n_saved = len(step.saved)
     bw_primals = bw_src[n_saved : n_saved + len(step.backward_primal_indices)]
     tangents = bw_src[n_saved + len(bw_primals) :]
     saved_fw = saved_outs + [placeholders[p.name] for p in bw_primals]
-    saved_bw = bw_src[: n_saved + len(bw_primals)]
+    saved_bw: list[Any] = bw_src[: n_saved + len(bw_primals)]
+
+    # pre-mutation clones for recomputed readers of a mutated primal
+    stale: dict[str, fx.Node] = {}  # primal name -> its pre-mutation clone (forward)
+    recompute_readers = {
+        a.name
+        for n in step.backward.graph.nodes
+        if step.kind_of.get(n.name) == "recompute"
+        for a in n.all_input_nodes
+        if a.op == "placeholder"
+    }
+    last_placeholder = [n for n in fw.nodes if n.op == "placeholder"][-1]
+    for dst, src in mutations:
+        if dst in recompute_readers:
+            with fw.inserting_after(last_placeholder):
+                pre = fw.create_node("call_function", torch.ops.aten.clone.default,
+                                     (placeholders[dst],), name=f"{dst}_before_mutation")
+            pre.meta = dict(placeholders[dst].meta)
+            stale[dst] = pre
+            saved_fw.append(pre)
+            saved_bw.append(pre)  # stands in for its backward placeholder
     sym = [i for i, n in enumerate(saved_fw) if _is_sym(n)]
     tensors = [i for i in range(len(saved_fw)) if i not in set(sym)]
+    for dst, src in mutations:
+        fw.call_function(torch.ops.aten.copy_.default, (placeholders[dst], by_name[src]))
     fw.output([*fwd_outs, *(saved_fw[i] for i in tensors), *(saved_fw[i] for i in sym)])
     fw.lint()
 
     bw = fx.Graph()
-    benv: dict[fx.Node, fx.Node] = {}
+    benv: dict[Any, fx.Node] = {}
     for src in [*(saved_bw[i] for i in sym), *(saved_bw[i] for i in tensors), *tangents]:
         ph = bw.placeholder(src.name)
         ph.meta = dict(src.meta)
         benv[src] = ph
+    clone_ph = {dst: benv[pre] for dst, pre in stale.items()}
     for n in step.backward.graph.nodes:
         if n.op == "placeholder":
             continue
         if n.op == "output":
             bw.output(fx.node.map_arg(n.args[0], benv.__getitem__))
             continue
-        benv[n] = bw.node_copy(n, benv.__getitem__)
+        if step.kind_of.get(n.name) == "recompute" and stale:
+            def lookup(a: fx.Node) -> fx.Node:
+                if a.op == "placeholder" and a.name in clone_ph:
+                    return clone_ph[a.name]
+                return benv[a]
+
+            benv[n] = bw.node_copy(n, lookup)
+        else:
+            benv[n] = bw.node_copy(n, benv.__getitem__)
     bw.lint()
     return (
         fx.GraphModule(step.forward, fw, class_name="RematForward"),
@@ -553,6 +631,7 @@ class RematBackend:
                 "functionalize_rng_ops, is on?); the remat backend replays RNG state itself: "
                 "turn that option off"
             )
+        joint, mutations = split_input_mutations(joint, primals)
         stack = self._layer_stack(joint, num_fwd_outputs, info["graph_id"])
         if (info.get("partial") and stack.num_layers and self.options.num_layers
                 and self.options.schedule in ("uniform", "block")):
@@ -586,7 +665,7 @@ class RematBackend:
         step = rewrite(joint_graph, stack, sched)
         concrete, symbolic = _concrete_step(step)
         memory = analyze(concrete, allocator=allocator)
-        fw, bw = aot_graphs(step)
+        fw, bw = aot_graphs(step, mutations)
 
         boundary = _boundary_bytes(concrete)
         layers = tuple(sorted({i for i in stack.layer_of.values() if i is not None}))
@@ -600,7 +679,7 @@ class RematBackend:
             frame_id=info["frame"],
             graph_break=info.get("break"),
             schedule=sched.provenance,
-            layer_stack=stack.path or None,
+            layer_stack=stack.path if stack.num_layers else None,
             layers=layers,
             num_fwd_outputs=num_fwd_outputs,
             boundary_output_bytes=boundary,
@@ -652,7 +731,9 @@ class RematBackend:
         except LayerStackNotFound as e:
             # a graph outside the stack (the loss after a graph break) is expected once
             # another graph holds the stack; warn only while no graph has held it
-            if self.options.schedule != "none" and not any(r.layer_stack for r in self.reports):
+            if self.options.schedule != "none" and not any(
+                r.layer_stack is not None for r in self.reports
+            ):
                 warnings.warn(
                     f"remat-pass: graph {graph_id} holds no layer of the stack, so it is "
                     f"compiled with schedule none instead of {self.options.schedule}: {e}",

@@ -219,7 +219,8 @@ def find_layer_stack_in_graph(gm: fx.GraphModule, layers: str | None = None) -> 
 
     For a graph that Dynamo captured (the torch.compile backend sees no ``nn.Module``):
     the candidates are module paths ``P`` with integer-named children ``P.0``, ``P.1``,
-    ... recorded on the graph's nodes (``nn_module_stack`` / ``fwd_nn_module_stack``),
+    ... (``P`` may be ``""``, the compiled module itself, e.g. an ``nn.Sequential``)
+    recorded on the graph's nodes (``nn_module_stack`` / ``fwd_nn_module_stack``),
     the children of one candidate all of one type (what an ``nn.ModuleList`` or
     ``nn.Sequential`` of blocks records). The candidate with the most children is the
     stack (ties: the first recorded).
@@ -245,8 +246,8 @@ def find_layer_stack_in_graph(gm: fx.GraphModule, layers: str | None = None) -> 
         for key in ("nn_module_stack", "fwd_nn_module_stack"):
             for path, kind in _recorded_paths(n.meta.get(key)):
                 seen.add(path)
-                if "." in path:
-                    parent, child = path.rsplit(".", 1)
+                if path:
+                    parent, child = path.rsplit(".", 1) if "." in path else ("", path)
                     children.setdefault(parent, {}).setdefault(child, kind)
     def _names(kids: dict[str, object]) -> list[str]:
         ints = sorted(int(c) for c in kids if c.isdigit())
