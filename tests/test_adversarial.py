@@ -513,6 +513,48 @@ def test_prenorm_layernorm_blocks():
     sweep_model(_stack(3, PreNorm), (_x(),), num_layers=3)
 
 
+def test_user_hooks_on_layers():
+    model = _stack(3)
+    for b in model.blocks:
+        b.register_forward_pre_hook(lambda mod, args: (torch.tanh(args[0]),))
+        b.register_forward_hook(lambda mod, args, out: out * torch.sigmoid(out))
+    sweep_model(model, (_x(),), num_layers=3)
+
+
+def test_weight_norm_parametrization():
+    from torch.nn.utils import parametrizations
+
+    model = _stack(3)
+    for b in model.blocks:
+        parametrizations.weight_norm(b.fc1)
+    sweep_model(model, (_x(),), num_layers=3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="orthogonal parametrization: CPU linalg_matrix_exp allocates scratch (4112 B "
+    "forward, 49176 B for the 2n x 2n exp in backward) not modelled by "
+    "costs.transient_bytes; peak under-predicted 20548 vs 69724 B measured (none, L=2)",
+)
+def test_orthogonal_parametrization():
+    from torch.nn.utils import parametrizations
+
+    model = _stack(2)
+    for b in model.blocks:
+        parametrizations.orthogonal(b.fc2)
+    sweep_model(model, (_x(),), num_layers=2)
+
+
+def test_spectral_norm_power_iteration_is_refused():
+    from torch.nn.utils import parametrizations
+
+    model = _stack(2)
+    for b in model.blocks:
+        parametrizations.spectral_norm(b.fc1)  # updates its u/v buffers in train mode
+    with pytest.raises(UnsupportedGraph):
+        Session.create(model, (_x(),), None)
+
+
 # ---- 5. buffers ---------------------------------------------------------------------
 
 
