@@ -33,6 +33,7 @@ from remat_pass.sweep import Session, megatron_schedules
 
 B, T, D = 4, 8, 16
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """One intra-op thread: on a shared 2-core machine, OpenMP spin-waiting makes these
@@ -742,7 +743,8 @@ def test_frozen_layer():
     model = TiedLM()
     model.blocks[1].requires_grad_(False)
     s = sweep_model(model, (_ids(1), _ids(2)), num_layers=3)
-    frozen = [g for label, g in zip(s.joint.primal_labels, s.reference_grads) if label.startswith("blocks.1.")]
+    labels, grads = s.joint.primal_labels, s.reference_grads
+    frozen = [g for label, g in zip(labels, grads) if label.startswith("blocks.1.")]
     assert frozen and all(g is None for g in frozen)
 
 
@@ -1146,6 +1148,8 @@ def test_hf_gpt2_with_gradient_checkpointing_enabled(reentrant):
     pytest.importorskip("transformers")
     from remat_pass.models import gpt2
 
-    model, inputs, loss_fn = gpt2(batch=2, seq=8, layers=2, hidden=16, heads=2, vocab=64, dropout=0.0)
+    model, inputs, loss_fn = gpt2(
+        batch=2, seq=8, layers=2, hidden=16, heads=2, vocab=64, dropout=0.0
+    )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     sweep_model(model, inputs, loss_fn, num_layers=2, allow_refusal=True)
