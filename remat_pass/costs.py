@@ -34,11 +34,20 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` draws from an RNG (aten ops tagged ``nondeterministic_seeded``)."""
+    """Whether ``node`` draws from an RNG: aten ops tagged ``nondeterministic_seeded``,
+    except attention kernels called with ``dropout_p=0`` (they draw nothing)."""
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    )
+    if not (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return value != 0
+    return True
 
 
 def is_mutating(node: fx.Node) -> bool:

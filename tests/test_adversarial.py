@@ -1056,14 +1056,8 @@ def test_sdpa_without_dropout():
     sweep_model(_stack(2, SDPA), (_x(),), num_layers=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="costs.is_random takes every op tagged nondeterministic_seeded as random, so "
-    "scaled_dot_product_attention with dropout_p=0 is RNG-replayed: each recomputed layer "
-    "saves a 5056 B CPU RNG state and runs under run_with_rng_state (correct, but wasted "
-    "memory)",
-)
 def test_sdpa_without_dropout_needs_no_rng_replay():
+    """Attention with dropout_p=0 draws no random numbers: no RNG state is saved."""
     torch.manual_seed(0)
     s = Session.create(_stack(2, SDPA), (_x(),), None)
     step, _, _ = s.prepare(schedules.uniform(1, 2))
