@@ -737,12 +737,15 @@ class Planner:
     def least_feasible(self) -> tuple[Schedule, int]:
         """The schedule of least liveness peak the solver finds, and that peak."""
         if self._least is None:
-            from solvers import pareto_front
+            from solvers import least_feasible_peak, pareto_front
 
-            front = pareto_front(self.costs)
+            L = self.model.num_layers
+            cands = [least_feasible_peak(self.costs)]
+            if L <= 16:  # also the next lowest-peak answers of the front
+                cands += pareto_front(self.costs)[-3:]
             best: tuple[Schedule, int] | None = None
-            # the few lowest-peak model answers, checked with liveness
-            for sol in front[-3:]:
+            # the lowest-peak model answers, checked with liveness
+            for sol in cands:
                 sch = self._schedule(sol.groups)
                 pk = self.report(sch).peak_bytes
                 if best is None or pk < best[1]:

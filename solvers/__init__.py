@@ -6,6 +6,14 @@ recompute FLOPs): the least recompute under a peak budget, and the least peak un
 recompute budget.
 """
 
-from .chain import ChainCosts, Solution, least_peak, least_recompute, model_peak, pareto_front
+from .chain import (
+    ChainCosts,
+    Solution,
+    least_feasible_peak,
+    least_peak,
+    least_recompute,
+    model_peak,
+    pareto_front,
+)
 
-__all__ = ["ChainCosts", "Solution", "least_peak", "least_recompute", "model_peak", "pareto_front"]
+__all__ = ["ChainCosts", "Solution", "least_feasible_peak", "least_peak", "least_recompute", "model_peak", "pareto_front"]

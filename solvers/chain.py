@@ -35,7 +35,7 @@ is rebuilt once, from its saved input, right before its backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 from remat_pass.errors import InfeasibleBudget, InvalidSchedule
 
@@ -146,15 +146,31 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
     return Solution(tuple(tuple(g) for g in groups), peak, flops)
 
 
-def _prune(states: list[tuple], budget: int | None) -> list[tuple]:
-    """Keep the states not dominated in (M, flops, peak); drop those over ``budget``."""
+def _prune(states: list[tuple], budget: int | None, dims: tuple[int, ...],
+           flops_budget: int | None = None) -> list[tuple]:
+    """Keep the states not dominated on ``dims`` (indices of M, flops, peak) among those
+    with the same has-group flag; drop those over ``budget`` or ``flops_budget``."""
     if budget is not None:
         states = [s for s in states if s[2] <= budget]
-    states.sort(key=lambda s: (s[0], s[1], s[2], not s[5], s[3]))
+    if flops_budget is not None:
+        states = [s for s in states if s[1] <= flops_budget]
+    states.sort(key=lambda s: (s[5], *(s[d] for d in dims), s[0], s[1], s[2], s[3]))
     kept: list[tuple] = []
+    staircase: dict[bool, list[tuple]] = {False: [], True: []}
+    if len(dims) == 2:  # sorted on dims[0]: dominated iff not below the best dims[1] so far
+        best: dict[bool, Any] = {False: None, True: None}
+        for s in states:
+            b = best[s[5]]
+            if b is not None and b <= s[dims[1]]:
+                continue
+            best[s[5]] = s[dims[1]]
+            kept.append(s)
+        return kept
     for s in states:
-        if any(k[1] <= s[1] and k[2] <= s[2] and (k[5] or not s[5]) for k in kept):
+        others = staircase[s[5]]
+        if any(all(k[d] <= s[d] for d in dims[1:]) for k in others):
             continue
+        others.append(s)
         kept.append(s)
     return kept
 
@@ -168,22 +184,13 @@ def _groups_of(choices: tuple) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(out))
 
 
-def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solution]:
-    """Every schedule on the Pareto front of (recompute FLOPs, peak bytes), exactly.
-
-    Args:
-        c: the chain costs.
-        budget_bytes: if given, only schedules whose model peak is <= it.
-
-    Returns:
-        Solutions sorted by recompute FLOPs ascending (peak descending); ties broken
-        by the groups, so the answer is deterministic. Empty when nothing fits.
-
-    Complexity: O(L^2 · F) with F the number of Pareto states at a layer boundary.
-    """
-    group_cache: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+def _solve(c: ChainCosts, budget_bytes: int | None, flops_budget: int | None,
+           dims: tuple[int, ...]) -> list[tuple]:
+    """The dynamic program: final ``(flops, peak, tiebreak key, choices)`` of the
+    schedules kept when states are compared on ``dims`` (0: M, 1: FLOPs, 2: peak)."""
     L = c.num_layers
     x = c.shared_checkpoint_bytes
+    group_cache: dict[tuple[int, int], tuple[int, int, int, int]] = {}
     finals = []
     # mode 0: no group at all (store everything); mode 1: at least one group, so the
     # shared checkpoint is live in every forward region and the head.
@@ -193,8 +200,8 @@ def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solutio
         frontier: list[list[tuple]] = [[] for _ in range(L + 1)]
         frontier[0] = [(0, 0, 0, (), (), False)]
         for i in range(L):
-            states = _prune(frontier[i], budget_bytes)
-            frontier[i] = states
+            states = _prune(frontier[i], budget_bytes, dims, flops_budget)
+            frontier[i] = []
             for m, f, pk, key, ch, has in states:
                 xb = x if has else 0
                 p2 = max(pk, m + xf + c.stored_forward_bytes[i], m + xb + c.stored_backward_bytes[i])
@@ -219,7 +226,28 @@ def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solutio
             peak = max(pk, m + xf + c.head_bytes, c.outer_bytes)
             if budget_bytes is not None and peak > budget_bytes:
                 continue
+            if flops_budget is not None and f > flops_budget:
+                continue
             finals.append((f, peak, key, ch))
+    return finals
+
+
+def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solution]:
+    """Every schedule on the Pareto front of (recompute FLOPs, peak bytes), exactly.
+
+    Args:
+        c: the chain costs.
+        budget_bytes: if given, only schedules whose model peak is <= it.
+
+    Returns:
+        Solutions sorted by recompute FLOPs ascending (peak descending); ties broken
+        by the groups, so the answer is deterministic. Empty when nothing fits.
+
+    Complexity: O(L^2 · F) with F the number of Pareto states (M, FLOPs, peak) at a
+    layer boundary; F grows quickly on heterogeneous chains (use ``least_recompute``,
+    which compares states on (M, FLOPs) only, for long stacks).
+    """
+    finals = _solve(c, budget_bytes, None, (0, 1, 2))
     finals.sort(key=lambda s: (s[0], s[1], s[2]))
     front: list[Solution] = []
     for f, peak, key, ch in finals:
@@ -227,6 +255,13 @@ def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solutio
             continue
         front.append(Solution(_groups_of(ch), peak, f))
     return front
+
+
+def least_feasible_peak(c: ChainCosts) -> Solution:
+    """The schedule of least model peak (among those, the least recompute)."""
+    finals = _solve(c, None, None, (0, 2))
+    f, peak, key, ch = min(finals, key=lambda s: (s[1], s[0], s[2]))
+    return Solution(_groups_of(ch), peak, f)
 
 
 def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
@@ -243,9 +278,9 @@ def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
         >>> least_recompute(c, 30).groups
         ((0,),)
     """
-    front = pareto_front(c, budget_bytes)
-    if not front:
-        least = pareto_front(c)[-1].peak_bytes
+    finals = _solve(c, budget_bytes, None, (0, 1))
+    if not finals:
+        least = least_feasible_peak(c).peak_bytes
         raise InfeasibleBudget(
             f"no schedule fits a peak budget of {budget_bytes} bytes: the least feasible "
             f"peak is {least} bytes ({least / 2**20:.2f} MiB); raise the budget to at "
@@ -253,7 +288,8 @@ def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
             least_feasible_peak_bytes=least,
             budget_bytes=budget_bytes,
         )
-    return front[0]
+    f, peak, key, ch = min(finals, key=lambda s: (s[0], s[1], s[2]))
+    return Solution(_groups_of(ch), peak, f)
 
 
 def least_peak(c: ChainCosts, recompute_budget_flops: int) -> Solution:
@@ -265,5 +301,7 @@ def least_peak(c: ChainCosts, recompute_budget_flops: int) -> Solution:
     """
     if recompute_budget_flops < 0:
         raise ValueError(f"recompute budget {recompute_budget_flops} FLOPs is negative; it must be >= 0")
-    front = [s for s in pareto_front(c) if s.recompute_flops <= recompute_budget_flops]
-    return front[-1]  # storing everything costs 0 FLOPs, so the front is never empty
+    # storing everything costs 0 FLOPs, so some schedule always qualifies
+    finals = _solve(c, None, recompute_budget_flops, (0, 1, 2))
+    f, peak, key, ch = min(finals, key=lambda s: (s[1], s[0], s[2]))
+    return Solution(_groups_of(ch), peak, f)

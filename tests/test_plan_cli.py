@@ -1,0 +1,55 @@
+"""``remat-pass plan`` and ``remat-pass model`` on a tiny GPT-2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat_pass.cli import main
+from remat_pass.errors import InfeasibleBudget  # noqa: F401  (the error plan reports)
+
+pytest.importorskip("transformers")
+
+TINY = ["--layers", "2", "--seq", "32", "--batch", "2"]
+
+
+def test_plan_json_and_infeasible(tmp_path, capsys):
+    big = tmp_path / "big.json"
+    assert main(["plan", *TINY, "--budget", "1GiB", "--json", str(big)]) == 0
+    out = capsys.readouterr().out
+    assert "schedule" in out and "measured peak" in out and "solve time" in out
+    d = json.loads(big.read_text())
+    for key in ("budget_bytes", "schedule", "predicted_peak_bytes", "measured_peak_bytes",
+                "recompute_flops", "grads_equal", "least_feasible_peak_bytes",
+                "unconstrained_peak_bytes"):
+        assert key in d, key
+    assert d["budget_bytes"] == 2**30 and d["grads_equal"] is True
+    # a 1 GiB budget fits everything: nothing is recomputed
+    assert d["recompute_flops"] == 0 and d["measured_peak_bytes"] == d["unconstrained_peak_bytes"]
+    # the least feasible peak as a budget: fits, within 3 %
+    tight = tmp_path / "tight.json"
+    assert main(["plan", *TINY, "--budget", str(d["least_feasible_peak_bytes"]), "--json", str(tight)]) == 0
+    t = json.loads(tight.read_text())
+    assert t["measured_peak_bytes"] <= 1.03 * t["budget_bytes"]
+    assert t["predicted_peak_bytes"] <= t["budget_bytes"]
+    # below it: an error naming that least peak
+    assert main(["plan", *TINY, "--budget", str(d["least_feasible_peak_bytes"] - 1)]) == 2
+    assert str(d["least_feasible_peak_bytes"]) in capsys.readouterr().err
+
+
+def test_plan_max_batch(tmp_path, capsys):
+    path = tmp_path / "mb.json"
+    assert main(["plan", *TINY, "--budget", "64MiB", "--max-batch", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["schedule"] for r in rows} >= {"none", "uniform(K=1)", "block(N=2)"}
+    for r in rows:
+        assert r["batch"] >= 1 and r["peak_bytes"] <= 64 * 2**20 < r["next_peak_bytes"]
+    assert "largest batch" in capsys.readouterr().out
+
+
+def test_model_prints_formulas(capsys):
+    assert main(["model", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "peak_uniform(K)" in out and "peak_block(N)" in out and "\\mathrm{peak}" in out
+    assert "batch" in out and "seq" in out
