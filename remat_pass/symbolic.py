@@ -496,18 +496,23 @@ class SymbolicModel:
         """Closed forms of the chain model for a stack of L layers all like ``layer``
         (default: the middle one), in K, N, L and the shape symbols.
 
-        With ``s`` (a group's saved bytes: its output), ``a`` (a stored layer's saved
-        bytes), ``r`` (carry: bytes a rebuilt layer keeps live under the next one's
-        backward), ``w`` / ``v`` (backward peak of a rebuilt / stored layer above what
-        the layers below saved), ``h`` (head above everything saved) and ``o`` (the rest
-        of the outer region), all read off the graph:
+        Terms read off the graph: ``s`` (bytes a group saves: its output, RNG states),
+        ``a`` (bytes a stored layer saves; also what a rebuilt layer keeps live under
+        the next layer's backward), ``g`` (a layer's parameter-gradient bytes, live from
+        its backward to the end), and the region peaks, each a Max of polynomials:
+        ``w`` / ``v`` (backward of the top layer rebuilt / stored, above what the layers
+        below saved), ``h`` (head above everything saved), ``o`` (rest of the outer
+        region). With ``G = ceil(L/K)``:
 
-        - ``peak_uniform = Max((ceil(L/K) - 1)·s + (K - 1)·r + w, ceil(L/K)·s + h, o)``
-        - ``peak_block = Max(N·s + (L - N - 1)·a + v, (N - 1)·s + w, N·s + (L - N)·a + h, o)``
-        - ``K_star = sqrt(L·s / r)``: where ``L·s/K + K·r`` is least (continuous K).
+        - ``peak_uniform = Max((K-1)·a + w + (L-K)·g, (G-1)·s + (K-1)·a + w, G·s + h, o)``
+          (the lowest group, where all gradients above are live, and the top group,
+          where all checkpoints below are live; exact when K divides L)
+        - ``peak_block = Max(w + (L-1)·g, (N-1)·s + w + (L-N)·g, N·s + v + (L-1-N)·g,
+          N·s + (L-1-N)·a + v, N·s + (L-N)·a + h, o)``
+        - ``K_star = sqrt(L·s / a)``: where ``L·s/K + K·a`` is least (continuous K).
 
-        The per-layer terms hold for layers whose costs equal ``layer``'s; the exact
-        peak of any one schedule is ``peak(schedule)``.
+        ``w``, ``v``, ``h``, ``o`` are returned as symbols and, under ``terms``, as
+        their Max expressions. The exact peak of one schedule is ``peak(schedule)``.
         """
         L = self.num_layers
         j = L // 2 if layer is None else layer
@@ -516,30 +521,32 @@ class SymbolicModel:
 
         def mx(ps: list[Poly]) -> sympy.Expr:
             ex = [self.to_sympy(p) for p in ps]
-            return sympy.Max(*ex) if len(ex) > 1 else ex[0]
+            return sympy.Max(*ex, evaluate=False) if len(ex) > 1 else ex[0]
 
-        s = mx(polys["last_saved_bytes"][j])
+        s_ = mx(polys["last_saved_bytes"][j])
         a = mx(polys["stored_saved_bytes"][j])
-        w = mx(polys["recomputed_backward_bytes"][L - 1])
-        v = mx(polys["stored_backward_bytes"][L - 1])
-        h = mx(polys["head_bytes"])
-        o = mx(polys["outer_bytes"])
-        # carry of a middle layer: U(j+1) - U(j), U(i) = (layer i's backward peak in one
-        # group of all layers) - (its backward peak alone)
-        if j + 1 < L:
-            def u(i: int) -> sympy.Expr:
-                return mx(polys["_uL_backward"][i]) - mx(polys["recomputed_backward_bytes"][i])
-
-            r = sympy.expand(u(j + 1) - u(j))
-        else:
-            r = sympy.Integer(0)
-        groups = sympy.ceiling(Ls / K)
+        prefix = f"{self.stack.path}.{self.stack.child_names[j]}." if self.stack.path else f"{self.stack.child_names[j]}."
+        g = sympy.Integer(sum(
+            int(v.untyped_storage().nbytes())
+            for v, kind, label in zip(self.joint.primal_values, self.joint.primal_kinds, self.joint.primal_labels)
+            if kind == "param" and label.startswith(prefix)
+        ))
+        w, v, h, o = sympy.symbols("w v h o", positive=True)
+        terms = {
+            w: mx(polys["recomputed_backward_bytes"][L - 1]),
+            v: mx(polys["stored_backward_bytes"][L - 1]),
+            h: mx(polys["head_bytes"]),
+            o: mx(polys["outer_bytes"]),
+        }
+        G = sympy.ceiling(Ls / K)
         return {
-            "s": s, "a": a, "r": r, "w": w, "v": v, "h": h, "o": o,
-            "peak_uniform": sympy.Max((groups - 1) * s + (K - 1) * r + w, groups * s + h, o),
-            "peak_block": sympy.Max(N * s + (Ls - N - 1) * a + v, (N - 1) * s + w,
-                                    N * s + (Ls - N) * a + h, o),
-            "K_star": sympy.sqrt(Ls * s / r) if r != 0 else sympy.oo,
+            "s": s_, "a": a, "g": g, "w": w, "v": v, "h": h, "o": o, "terms": terms,
+            "peak_uniform": sympy.Max((K - 1) * a + w + (Ls - K) * g, (G - 1) * s_ + (K - 1) * a + w,
+                                      G * s_ + h, o, evaluate=False),
+            "peak_block": sympy.Max(w + (Ls - 1) * g, (N - 1) * s_ + w + (Ls - N) * g,
+                                    N * s_ + v + (Ls - 1 - N) * g, N * s_ + (Ls - 1 - N) * a + v,
+                                    N * s_ + (Ls - N) * a + h, o, evaluate=False),
+            "K_star": sympy.sqrt(Ls * s_ / a),
         }
 
     # ---------------------------------------------------------------- budgets
@@ -871,25 +878,34 @@ def model_text(sm: SymbolicModel) -> str:
                 lines.append(f"  {label:32s} layer {i} = {v}")
     lines.append(f"  {'outer saved bytes':32s} = {agg['outer']}")
     lines.append("")
-    lines.append("chain-model terms (middle layer): " + ", ".join(f"{k} = {cf[k]}" for k in ("s", "a", "r", "w", "v", "h", "o")))
+    lines.append(f"chain-model terms (middle layer): s = {cf['s']}, a = {cf['a']}, g = {cf['g']} (parameter-gradient bytes)")
+    for sym, ex in cf["terms"].items():
+        lines.append(f"  {sym} = {ex}")
     lines.append("")
     lines.append(f"peak_uniform(K) = {cf['peak_uniform']}")
     lines.append(f"peak_block(N)   = {cf['peak_block']}")
-    lines.append(f"K* (continuous) = {sympy.simplify(cf['K_star'])}")
-    K, Ls = sympy.symbols("K L", positive=True, integer=True)
+    lines.append(f"K* (continuous) = {cf['K_star']}")
+    K, N, Ls = sympy.symbols("K N L", positive=True, integer=True)
     if sm.hints:
         at = {sm.symbol(k): v for k, v in sm.hints.items()}
+        sub = {sym: ex.xreplace(at) for sym, ex in cf["terms"].items()}
         exact = {k: sm.peak_at(schedules.uniform(k, L), **sm.hints) for k in range(1, L + 1)}
+        closed = {k: int(cf["peak_uniform"].xreplace(at).xreplace(sub).xreplace({K: k, Ls: L})) for k in exact}
+        exact_b = {n: sm.peak_at(schedules.block(n, L), **sm.hints) for n in range(0, L + 1)}
+        closed_b = {n: int(cf["peak_block"].xreplace(at).xreplace(sub).xreplace({N: n, Ls: L})) for n in exact_b}
         best = min(exact, key=lambda k: (exact[k], k))
-        kstar = cf["K_star"].subs(at).subs(Ls, L)
+        kstar = cf["K_star"].xreplace(at).xreplace({Ls: L})
+        err_u = max(abs(closed[k] - exact[k]) / exact[k] for k in exact)
+        err_b = max(abs(closed_b[n] - exact_b[n]) / exact_b[n] for n in exact_b)
         lines.append(f"at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}: K* = {float(kstar):.2f}; "
-                     f"exact peak of uniform(K) is least at K = {best} ({_fmt_bytes(exact[best])}); "
-                     f"closed form there {_fmt_bytes(int(cf['peak_uniform'].subs(at).subs({K: best, Ls: L})))}")
+                     f"the exact peak of uniform(K) is least at K = {best} ({_fmt_bytes(exact[best])}); "
+                     f"closed forms vs exact liveness peaks: uniform K=1..{L} within {100 * err_u:.2f} %, "
+                     f"block N=0..{L} within {100 * err_b:.2f} %")
     lines.append("")
     lines.append("LaTeX:")
     lines.append(f"  \\mathrm{{peak}}_{{uniform}}(K) = {sympy.latex(cf['peak_uniform'])}")
     lines.append(f"  \\mathrm{{peak}}_{{block}}(N) = {sympy.latex(cf['peak_block'])}")
-    lines.append(f"  K^* = {sympy.latex(sympy.simplify(cf['K_star']))}")
+    lines.append(f"  K^* = {sympy.latex(cf['K_star'])}")
     return "\n".join(lines)
 
 
