@@ -5,6 +5,8 @@ Subcommands:
     inspect the rewritten forward / backward graphs of a model or of a graph dump.
     report  liveness report: Markdown, versioned JSON, PNG timeline.
     check   CI gate: exit 1 when the predicted peak exceeds a budget or regresses.
+    model   symbolic memory model: peak formulas in batch / seq.
+    plan    optimized schedule under a peak budget; --max-batch: largest batch.
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
 shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
@@ -224,6 +226,44 @@ def cmd_check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
+    from .symbolic import default_symbols, model_text, trace_symbolic
+
+    model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+    t0 = time.perf_counter()
+    sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
+    print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s)",
+          file=sys.stderr)
+    print(model_text(sm))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The optimized schedule under --budget (or the largest batch per schedule)."""
+    from .symbolic import max_batch_rows, parse_bytes, plan_command
+
+    budget = parse_bytes(args.budget)
+    if args.max_batch:
+        from .symbolic import default_symbols, trace_symbolic
+
+        model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+        sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
+        rows = max_batch_rows(sm, budget)
+        print(f"largest batch within {budget} bytes ({budget / 2**20:.2f} MiB), "
+              f"{', '.join(f'{k}={v}' for k, v in sm.hints.items() if k != 'batch')}:")
+        print(text_table(
+            ["schedule", "largest batch", "peak MiB", "peak at batch+1 MiB"],
+            [[r["schedule"], str(r["batch"]),
+              f"{r['peak_bytes'] / 2**20:.2f}" if r["peak_bytes"] is not None else "-",
+              f"{r['next_peak_bytes'] / 2**20:.2f}"] for r in rows],
+        ))
+        if args.json:
+            write_json(args.json, {"budget_bytes": budget, "rows": rows})
+        return 0
+    return plan_command(load_session(args), budget, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -266,6 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the current reports as JSON (to update a baseline)")
     p.add_argument("--markdown", metavar="PATH", help="write the verdict as Markdown (e.g. $GITHUB_STEP_SUMMARY)")
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("model", help="symbolic memory model: peak formulas in batch / seq (text and LaTeX)")
+    add_model_args(p)
+    p.set_defaults(func=cmd_model)
+    p = sub.add_parser("plan", help="optimized schedule: least recompute under a peak budget")
+    add_model_args(p)
+    p.add_argument("--budget", required=True, metavar="SIZE", help="peak budget: bytes or 1.5GiB, 800MiB, 2GB")
+    p.add_argument("--max-batch", action="store_true",
+                   help="instead: the largest batch that fits the budget, per Megatron schedule")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 
