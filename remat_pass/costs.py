@@ -60,8 +60,9 @@ def is_mutating(node: fx.Node) -> bool:
     )
 
 
-def _numel_bytes(val: Any) -> int:
-    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+def _numel_bytes(val: Any) -> Any:
+    # no int(): under symbolic shapes this stays a SymInt (int() would specialise it)
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def _leaf(val: Any) -> Any:
@@ -133,20 +134,19 @@ def transient_bytes(node: fx.Node) -> int:
     return _inner_transient(node.target, node.args, out)
 
 
-def node_flops(node: fx.Node) -> int:
+def node_flops(node: fx.Node) -> Any:
     """FLOPs of one call_function node by PyTorch's flop formulas (0 when none applies).
 
-    Multiply-add counts 2 FLOPs, as in ``torch.utils.flop_counter``.
+    Multiply-add counts 2 FLOPs, as in ``torch.utils.flop_counter``. An int for concrete
+    shapes, a SymInt under symbolic shapes.
     """
-    target = node.target
     if node.op != "call_function":
         return 0
-    inner = target
-    if getattr(target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state"):
+    if getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state"):
         return 0
-    packet = getattr(inner, "overloadpacket", None)
+    packet = getattr(node.target, "overloadpacket", None)
     if packet not in flop_registry:
         return 0
     args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
     kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta.get("val"))
-    return int(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    return flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))

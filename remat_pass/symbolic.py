@@ -36,10 +36,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import sympy
 import torch
-from torch.utils.flop_counter import flop_registry
 
 from . import schedule as schedules
-from .costs import storage_nbytes
+from .costs import node_flops, storage_nbytes, transient_bytes
 from .errors import InfeasibleBudget, RematError
 from .liveness import live_intervals
 from .regions import LayerStack, assign_layers
@@ -200,38 +199,6 @@ class _Converter:
         )
 
 
-def _flops(node: Any) -> Any:
-    """FLOPs of a call_function node by PyTorch's formulas (a SymInt under symbolic shapes)."""
-    if node.op != "call_function":
-        return 0
-    if getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state"):
-        return 0
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet not in flop_registry:
-        return 0
-    import torch.fx as fx
-
-    args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
-    kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta.get("val"))
-    return flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
-
-
-def _symbolic_transient_bytes(node: Any) -> Any:
-    """``costs.transient_bytes`` with sizes kept symbolic (no ``int()`` of a SymInt,
-    which would specialise it to the traced value)."""
-    from unittest import mock
-
-    from . import costs
-
-    def numel_bytes(val: Any) -> Any:
-        return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-    if not hasattr(costs, "transient_bytes"):
-        return 0
-    with mock.patch.object(costs, "_numel_bytes", numel_bytes):
-        return costs.transient_bytes(node)
-
-
 def profile_step(step: RewrittenStep, conv: _Converter) -> SymbolicStep:
     """Live bytes at every step of ``step`` as polynomials (``liveness.live_intervals``
     with sizes converted by ``conv``)."""
@@ -245,7 +212,7 @@ def profile_step(step: RewrittenStep, conv: _Converter) -> SymbolicStep:
         delta[s.first] = _padd(delta[s.first], s.nbytes)
         delta[s.last + 1] = _padd(delta[s.last + 1], s.nbytes, -1)
     for i, node in enumerate(all_steps):
-        scratch = conv(_symbolic_transient_bytes(node))
+        scratch = conv(transient_bytes(node))
         if scratch:  # live during this op only (liveness.analyze, cpu allocator)
             delta[i] = _padd(delta[i], scratch)
             delta[i + 1] = _padd(delta[i + 1], scratch, -1)
@@ -264,13 +231,13 @@ def profile_step(step: RewrittenStep, conv: _Converter) -> SymbolicStep:
     rec: dict[int | None, Poly] = {}
     fwd: dict[int | None, Poly] = {}
     for node in iv.fw_steps:
-        f = conv(_flops(node))
+        f = conv(node_flops(node))
         if f:
             lay = step.layer_of.get(node.name)
             fwd[lay] = _padd(fwd.get(lay, {}), f)
     for node in iv.bw_steps:
         if step.kind_of.get(node.name) == "recompute":
-            f = conv(_flops(node))
+            f = conv(node_flops(node))
             if f:
                 lay = step.layer_of.get(node.name)
                 rec[lay] = _padd(rec.get(lay, {}), f)
