@@ -109,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{mib(s_bytes)} MiB, so fewer groups save little: with s = {mib(s_bytes)} MiB and "
         f"a = {mib(a)} MiB, the model's minimum K = sqrt(L·s/a) = {k_star:.2f}, "
         f"i.e. K = {max(1, round(k_star))} by the model, K = {best_k} measured.",
-        f"- Where: every uniform peak is in backward, in layer K-1 (the first group, "
-        f"recomputed last, when every parameter gradient already exists): e.g. K = {best_k} "
+        (
+            "- Where: every uniform peak is in backward, in layer K-1 (the first group, "
+            "recomputed last, when every parameter gradient already exists)"
+            if all(r.peak_phase == "backward" and r.peak_layer == k - 1 for k, r in uni.items())
+            else "- Where: " + "; ".join(f"K = {k}: {where(r.peak_phase, r.peak_layer)}" for k, r in uni.items())
+        )
+        + f": e.g. K = {best_k} "
         f"peaks at `{uni[best_k].peak_node}` ({where(uni[best_k].peak_phase, uni[best_k].peak_layer)}); "
         f"largest live tensors there: "
         + ", ".join(f"`{t.name}` ({t.kind}, {mib(t.nbytes)} MiB)" for t in top_u) + ".",
