@@ -802,8 +802,8 @@ class RematBackend:
             lines.append(
                 f"  graph {r.graph_id}"
                 + (f" (ends at a graph break: {r.graph_break})" if r.graph_break else "")
-                + f": {_layers_text(r.layers)} of {r.layer_stack!r}, "
-                f"schedule {r.schedule}; {r.num_fwd_outputs} forward outputs "
+                + (f": {_layers_text(r.layers)} of {r.layer_stack!r}, " if r.layers else ": no layer of the stack, ")
+                + f"schedule {r.schedule}; {r.num_fwd_outputs} forward outputs "
                 f"({_mib(r.boundary_output_bytes)}) leave the graph (held by what runs "
                 f"next); saved activations {_mib(r.memory.saved_activation_bytes)} held "
                 "until its backward; "

@@ -29,14 +29,25 @@ from .sweep import Session, sweep
 DEFAULT_MODEL = "remat_pass.models:gpt2"
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be 1 or more")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Add the options that choose the model and its input."""
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FACTORY",
                    help="factory returning (model, example_inputs, loss_fn) (default: %(default)s)")
-    g.add_argument("--batch", type=int, help="batch size passed to the factory")
-    g.add_argument("--seq", type=int, help="sequence length passed to the factory")
-    g.add_argument("--layers", type=int, help="number of layers passed to the factory")
+    g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
+    g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
+    g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
     g.add_argument("--stack", metavar="PATH",
                    help="module path of the layer stack (e.g. transformer.h); found automatically if omitted")
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
@@ -325,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (RematError, ValueError, ImportError) as e:
+    except (RematError, ValueError, ImportError, OSError) as e:
         print(f"remat-pass: error: {e}", file=sys.stderr)
         return 2
 

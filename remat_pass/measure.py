@@ -19,8 +19,11 @@ Measurement (DESIGN.md, Measurement):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Sequence
+import os
+import sys
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -154,11 +157,32 @@ def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
     return worst
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null while active (C++ log lines included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
 def _profiled_peak_cpu(fn: Any) -> tuple[int, list[int]]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the CPU build's profiler logs start/stop lines on fd 2
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     running, peak, timeline = 0, 0, []

@@ -104,7 +104,7 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
             "nn.Sequential of two or more children of one class, and found "
             f"{'only ' + ', '.join(repr(c) for c in containers) if containers else 'none'}. "
             "Put the repeated blocks in an nn.ModuleList, or name the stack with "
-            "layers='path.to.stack' (--layers on the command line)."
+            "layers='path.to.stack' (--stack on the command line)."
         )
     return best
 
