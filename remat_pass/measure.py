@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -215,6 +216,9 @@ class Measurement:
 def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measurement:
     """Run ``step`` once to warm up, then once measured, both with RNG seed ``seed``.
 
+    The cycle collector runs before the measured step and is paused during it, so that
+    no tensor allocated earlier is freed inside the window.
+
     Returns:
         The Measurement of the second run (its loss and gradients included).
     """
@@ -228,13 +232,22 @@ def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measu
 
     once()
     result.clear()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        once()
-        torch.cuda.synchronize()
-        peak, timeline = torch.cuda.max_memory_allocated() - base, []
-    else:
-        peak, timeline = _profiled_peak_cpu(once)
+    # Python's cycle collector must not free older tensors inside the window: their
+    # frees would lower the running sum below what the step itself allocates.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            once()
+            torch.cuda.synchronize()
+            peak, timeline = torch.cuda.max_memory_allocated() - base, []
+        else:
+            peak, timeline = _profiled_peak_cpu(once)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return Measurement(peak, device, tuple(timeline), result["loss"], result["grads"])
