@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -40,6 +39,7 @@ import torch
 from . import schedule as schedules
 from .costs import node_flops, storage_nbytes, transient_bytes
 from .errors import InfeasibleBudget, RematError
+from .gate import parse_bytes  # noqa: F401  (one budget grammar for every command)
 from .liveness import live_intervals
 from .regions import LayerStack, assign_layers
 from .rewrite import RewrittenStep, rewrite
@@ -47,41 +47,6 @@ from .schedule import Schedule
 from .trace import JointGraph, trace_joint
 
 Poly = dict  # {exponents tuple: int coefficient}
-
-# --------------------------------------------------------------------------- budgets
-
-_UNITS = {
-    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_bytes(text: str | int) -> int:
-    """A byte count from ``"1.5GiB"``, ``"800MiB"``, ``"2GB"``, ``"123456"`` or an int.
-
-    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB)
-    powers of 1000; the result is rounded down to whole bytes.
-
-    Raises:
-        ValueError: not a non-negative number with one of those units.
-
-    Example:
-        >>> parse_bytes("1.5GiB"), parse_bytes("800MiB"), parse_bytes("4096")
-        (1610612736, 838860800, 4096)
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"a byte count must be >= 0, got {text}")
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as bytes: give a number with an optional unit among "
-            "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), "
-            "e.g. 1.5GiB or 800MiB"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 # --------------------------------------------------------------------------- polynomials
 
