@@ -466,8 +466,17 @@ def render(desc: dict[str, Any], sections: Sequence[str] = ("summary", "forward"
     """Text for ``remat-pass inspect``: the chosen sections, each under a title.
 
     Raises:
-        ValueError: an unknown section (allowed: SECTIONS).
+        ValueError: an unknown section (allowed: SECTIONS), or ``layer`` names no layer
+            of the graph (allowed: "outer" and the layer indices present).
     """
+    if layer is not None:
+        present = {"outer" if r["layer"] is None else str(r["layer"]) for r in desc["nodes"]}
+        if layer not in present:
+            ints = sorted(int(x) for x in present if x != "outer")
+            raise ValueError(
+                f"layer {layer!r} is not in this graph: give 'outer' or an index in "
+                f"{ints[0]}..{ints[-1]}" if ints else f"layer {layer!r} is not in this graph: give 'outer'"
+            )
     out = []
     for sec in sections:
         if sec not in SECTIONS:

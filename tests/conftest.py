@@ -20,6 +20,19 @@ def small_tiny_gpt(layers: int = 4, **kw):
     return tiny_gpt(batch=2, seq=32, layers=layers, hidden=64, heads=4, vocab=128, **kw)
 
 
+def load_hetero():
+    """The heterogeneous stack of ``benchmarks/hetero.py`` (blocks of one class whose
+    widths and kinds differ), loaded as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hetero.py"
+    spec = importlib.util.spec_from_file_location("remat_hetero", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def gpt2_session() -> Session:
     model, inputs, loss_fn = small_gpt2(layers=3, dropout=0.1)

@@ -5,9 +5,7 @@ optimized schedule beats uniform/block, and the peak never rises as the budget f
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -83,19 +81,12 @@ torch = pytest.importorskip("torch")
 from remat_pass import schedule as S  # noqa: E402
 from remat_pass.symbolic import Planner  # noqa: E402
 from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
-
-
-def _hetero():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hetero.py"
-    spec = importlib.util.spec_from_file_location("remat_hetero", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_hetero  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hetero_planner() -> Planner:
-    model, inputs, loss_fn = _hetero().hetero_gpt(batch=3, seq=16, layers=5)
+    model, inputs, loss_fn = load_hetero().hetero_gpt(batch=3, seq=16, layers=5)
     return Planner(Session.create(model, inputs, loss_fn))
 
 

@@ -4,9 +4,6 @@ batch checked by running it, byte parsing."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import sympy
 import torch
@@ -20,15 +17,11 @@ from remat_pass.symbolic import default_symbols, model_text, parse_bytes, trace_
 from remat_pass.sweep import megatron_schedules
 from remat_pass.trace import trace_joint
 
+from conftest import load_hetero
+
 SHAPES = [(2, 8), (3, 16), (4, 12), (5, 24), (7, 40)]
 
 
-def _hetero():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hetero.py"
-    spec = importlib.util.spec_from_file_location("remat_hetero", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def gpt2_factory(batch, seq):
@@ -42,7 +35,7 @@ def gpt2_factory(batch, seq):
 
 
 def hetero_factory(batch, seq):
-    return _hetero().hetero_gpt(batch=batch, seq=seq, layers=4)
+    return load_hetero().hetero_gpt(batch=batch, seq=seq, layers=4)
 
 
 def schedules_for(L):
