@@ -125,11 +125,8 @@ def _meta(args: argparse.Namespace, session: Session) -> dict:
 
 
 def _predict(args: argparse.Namespace, session: Session, sched):  # noqa: ANN001, ANN202
-    from .liveness import analyze
-    from .rewrite import rewrite
-
-    step = rewrite(session.joint, session.stack, sched)
-    return step, analyze(step, args.allocator)
+    step, report, _ = session.prepare(sched, args.allocator)
+    return step, report
 
 
 def _write(path: str, text: str) -> None:

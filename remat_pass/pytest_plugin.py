@@ -87,19 +87,16 @@ class PeakChecker:
             RematError, ValueError: tracing, layer stack or schedule errors.
         """
         from . import schedule as schedules
-        from .liveness import analyze
         from .models import build
-        from .regions import assign_layers
         from .report import report_json
-        from .rewrite import rewrite
-        from .trace import trace_joint
+        from .sweep import Session
 
         if isinstance(model, str):
             model, example_inputs, loss_fn = build(model, **factory_kwargs)
-        joint = trace_joint(model, example_inputs, loss_fn)
-        layer_stack = assign_layers(joint, stack)
-        step = rewrite(joint, layer_stack, schedules.make(schedule, k, layer_stack.num_layers))
-        return report_json(analyze(step, allocator), step)
+        session = Session.create(model, example_inputs, loss_fn, layers=stack)
+        sched = schedules.make(schedule, k, session.stack.num_layers)
+        step, report, _ = session.prepare(sched, allocator)
+        return report_json(report, step)
 
     def check(
         self,

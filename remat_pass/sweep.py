@@ -87,7 +87,10 @@ class ScheduleResult:
 
 @dataclasses.dataclass
 class Session:
-    """A traced step with its references, ready to evaluate many schedules.
+    """A traced step, ready to predict and evaluate many schedules.
+
+    The gradient references are computed on first use, so prediction alone
+    (``prepare``: reports, the CI gate, the pytest plugin) never runs the model.
 
     Attributes:
         joint, stack: the traced step and its layer stack.
@@ -98,9 +101,11 @@ class Session:
 
     joint: JointGraph
     stack: LayerStack
-    reference_grads: list[Any]
-    eager_param_grads: list[Any]
+    example_inputs: Any = None
+    loss_fn: Any = None
     seed: int = 0
+    _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
+    _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
@@ -112,7 +117,7 @@ class Session:
         layers: str | None = None,
         seed: int = 0,
     ) -> "Session":
-        """Trace the step, find the layer stack, run the references.
+        """Trace the step and find the layer stack.
 
         Raises:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
@@ -121,17 +126,35 @@ class Session:
         find_layer_stack(model, layers)  # fail before tracing when there is none
         joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
-        torch.manual_seed(seed)
-        _, ref = run_joint(joint)
-        torch.manual_seed(seed)
-        _, eager = eager_grads(model, example_inputs, loss_fn)
-        return cls(joint, stack, ref, eager, seed)
+        return cls(joint, stack, example_inputs, loss_fn, seed)
 
-    def prepare(self, schedule: Schedule) -> tuple[RewrittenStep, MemoryReport, float]:
-        """Rewrite and predict: ``(step, report, seconds)``."""
+    @property
+    def reference_grads(self) -> list[Any]:
+        """Gradients of the un-rewritten joint graph, run by the same executor."""
+        if self._reference_grads is None:
+            torch.manual_seed(self.seed)
+            self._reference_grads = run_joint(self.joint)[1]
+        return self._reference_grads
+
+    @reference_grads.setter
+    def reference_grads(self, grads: list[Any]) -> None:
+        self._reference_grads = grads
+
+    @property
+    def eager_param_grads(self) -> list[Any]:
+        """Parameter gradients of plain eager autograd (``loss.backward()``)."""
+        if self._eager_param_grads is None:
+            torch.manual_seed(self.seed)
+            self._eager_param_grads = eager_grads(self.joint.model, self.example_inputs, self.loss_fn)[1]
+        return self._eager_param_grads
+
+    def prepare(
+        self, schedule: Schedule, allocator: str = "cpu"
+    ) -> tuple[RewrittenStep, MemoryReport, float]:
+        """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``."""
         t0 = time.perf_counter()
         step = rewrite(self.joint, self.stack, schedule)
-        report = analyze(step)
+        report = analyze(step, allocator)
         return step, report, time.perf_counter() - t0
 
     def evaluate(self, schedule: Schedule, strict: bool = True) -> ScheduleResult:
