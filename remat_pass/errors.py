@@ -1,22 +1,28 @@
 """Exception types raised by remat-pass.
 
 Every error says what was wrong, why, and what is allowed; callers catch by type,
-never by message text.
+never by message text. ``RematError``, ``InvalidSchedule`` and ``InfeasibleBudget`` are
+defined in ``solvers.errors`` (the solvers raise them and import no torch) and
+re-exported here.
 """
 
 from __future__ import annotations
 
+from solvers.errors import InfeasibleBudget, InvalidSchedule, RematError
 
-class RematError(Exception):
-    """Base class of every error raised by remat-pass."""
+__all__ = [
+    "GradientMismatch",
+    "InfeasibleBudget",
+    "InvalidOption",
+    "InvalidSchedule",
+    "LayerStackNotFound",
+    "RematError",
+    "UnsupportedGraph",
+]
 
 
 class LayerStackNotFound(RematError):
     """No repeated layer stack was found, or the named one does not exist."""
-
-
-class InvalidSchedule(RematError, ValueError):
-    """A schedule argument (K, N, groups) is outside what the layer stack allows."""
 
 
 class UnsupportedGraph(RematError):
@@ -24,19 +30,10 @@ class UnsupportedGraph(RematError):
     gradients (an input mutation, a random op whose RNG state cannot be replayed)."""
 
 
-class InfeasibleBudget(RematError):
-    """No schedule fits the requested budget.
-
-    Attributes:
-        least_feasible_peak_bytes: the smallest peak (bytes) any schedule reaches.
-        budget_bytes: the budget that was asked for.
-    """
-
-    def __init__(self, message: str, *, least_feasible_peak_bytes: int, budget_bytes: int):
-        super().__init__(message)
-        self.least_feasible_peak_bytes = least_feasible_peak_bytes
-        self.budget_bytes = budget_bytes
-
-
 class GradientMismatch(RematError):
     """The rewritten step's gradients differ from the un-rewritten joint graph's."""
+
+
+class InvalidOption(RematError, ValueError):
+    """An option (of the torch.compile backend, a command, a file read back) is not one
+    that is accepted; the message names the allowed values."""

@@ -1,63 +1,34 @@
-"""Partition a joint graph into forward and backward graphs under a recompute Schedule.
+"""Build the forward and backward graphs of a training step from a Partition.
 
-For every recomputed group g (layers ``schedule.groups[g]``):
+Forward runs every forward node of the joint graph and returns the loss, then the saved
+values, then one RNG state per replayed random op. Backward takes the saved values, the
+RNG states, the primals it reads and the tangents; it runs the joint graph's backward
+nodes in order, with each recompute segment inserted right before the node the
+Partition names. Random ops in a segment replay the forward's RNG state: forward runs
+them under ``torch._prims.rng_prims.run_and_save_rng_state`` and the recompute under
+``run_with_rng_state``, so recomputed values equal the forward's bit for bit.
 
-- The values of group g that group g's backward reads are recomputed from the group's
-  inputs (checkpoints: values defined outside the group and read by the recomputed
-  nodes). Checkpoints are saved; a checkpoint shared by many groups (a mask, a rotary
-  table) is saved once.
-- The recompute segment is placed immediately before the first backward node that
-  reads a recomputed value of group g (the start of group g's backward, as Megatron-LM's
-  ``CheckpointFunction.backward`` does), so one group's recomputed values are live at a
-  time, and each dies at its last backward use.
-- A value of group g that a backward node of *another* layer or of the outer region
-  reads (the group's output, read by the next layer's or the final norm's backward) is
-  saved: recomputing it there would rebuild the group early.
-- Random ops in a recomputed segment replay the forward's RNG state: forward runs them
-  under ``torch._prims.rng_prims.run_and_save_rng_state``, whose state is saved, and the
-  recompute under ``run_with_rng_state``; the recomputed values equal the forward's bit
-  for bit.
-
-Everything outside the groups (stored layers, outer) follows ``none``: every forward
-value backward reads is saved, as AOTAutograd's ``default_partition`` does.
+The Partition is checked against the graph first: a rewrite that would change
+gradients (a value backward reads that is neither saved nor recomputed before it, an
+in-place update, a random op whose state cannot be replayed) is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .costs import RNG_STATE_BYTES, is_mutating, is_random, tensor_val
-from .errors import UnsupportedGraph
+from .costs import RNG_STATE_BYTES, is_mutating, is_random
+from .errors import InvalidSchedule, UnsupportedGraph
+from .partition import Partition, Segment, partition
 from .regions import LayerStack
 from .schedule import Schedule
 from .trace import JointGraph
-
-
-@dataclasses.dataclass(frozen=True)
-class RecomputeSegment:
-    """One group's recompute, as it runs in backward.
-
-    Attributes:
-        group: index into ``Schedule.groups``.
-        layers: the group's layers.
-        nodes: joint-graph names of the recomputed forward nodes, in run order.
-        checkpoints: joint-graph names of the saved values the segment starts from.
-        insert_before: the backward node the segment runs just before.
-        rng_replayed: recomputed random ops that replay the forward's RNG state.
-    """
-
-    group: int
-    layers: tuple[int, ...]
-    nodes: tuple[str, ...]
-    checkpoints: tuple[str, ...]
-    insert_before: str
-    rng_replayed: tuple[str, ...]
 
 
 @dataclasses.dataclass
@@ -71,13 +42,11 @@ class RewrittenStep:
 
     Attributes:
         forward, backward: the GraphModules.
-        schedule: the Schedule that was applied.
+        partition: the Partition that was applied.
         num_fwd_outputs: forward outputs before the saved values (1: the loss).
         saved: names of the saved values (forward nodes, RNG states included), in the
             order forward returns them and backward takes them.
         backward_primal_indices: which primals backward reads (parameters, inputs).
-        segments: the recompute segments, in the order they run.
-        forced_saves: saved values inside a recomputed group, with the reason.
         layer_of: forward / backward graph node name -> layer (None: outer).
         kind_of: forward / backward graph node name -> "forward", "backward" or
             "recompute".
@@ -85,73 +54,47 @@ class RewrittenStep:
 
     forward: fx.GraphModule
     backward: fx.GraphModule
-    schedule: Schedule
+    partition: Partition
     num_fwd_outputs: int
     saved: tuple[str, ...]
     backward_primal_indices: tuple[int, ...]
-    segments: tuple[RecomputeSegment, ...]
-    forced_saves: dict[str, str]
     layer_of: dict[str, int | None]
     kind_of: dict[str, str]
 
+    @property
+    def schedule(self) -> Schedule | None:
+        """The layer-level Schedule the partition came from (None: op-level)."""
+        return self.partition.schedule
 
-def _tensor_ancestors_in(
-    start: Iterable[fx.Node], allowed: set[fx.Node], stop: set[fx.Node]
-) -> set[fx.Node]:
-    """Closure of ``start`` over inputs that are in ``allowed`` and not in ``stop``."""
-    out: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        for a in n.all_input_nodes:
-            if a in allowed and a not in stop and a not in out:
-                todo.append(a)
-    return out
+    @property
+    def provenance(self) -> str:
+        """The schedule's readable name (``uniform(K=4)``)."""
+        return self.partition.provenance
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The recompute segments, in the order they run."""
+        return self.partition.segments
+
+    @property
+    def forced_saves(self) -> dict[str, str]:
+        """Saved values of recomputed groups that another layer's backward reads."""
+        return self.partition.forced_saves
 
 
-def _check_rng_supported(node: fx.Node) -> None:
+def _devices(node: fx.Node) -> set[str]:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    devices = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
-    if not devices <= {"cpu", "cuda"}:
-        raise UnsupportedGraph(
-            f"random op {node.format_node()} runs on {sorted(devices)}: its RNG state can "
-            "be replayed only on cpu or cuda, so recomputing it would change gradients. "
-            "Keep its layer out of the recomputed groups."
-        )
+    return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
 
 
-def rewrite(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> RewrittenStep:
-    """Partition ``joint`` into forward and backward graphs that apply ``schedule``.
-
-    Args:
-        joint: the traced step (its graph is not modified).
-        stack: the layer stack and the layer of every joint node (``assign_layers``).
-        schedule: which layers are recomputed, in which groups.
-
-    Returns:
-        The RewrittenStep. Its gradients equal the joint graph's bit for bit (same ops on
-        the same values; random ops replay their RNG state).
-
-    Raises:
-        InvalidSchedule: the schedule is for another number of layers.
-        UnsupportedGraph: the joint graph mutates a value in place, or a random op in
-            a recomputed group runs on a device whose RNG state cannot be replayed.
-    """
-    from .errors import InvalidSchedule
-
-    if schedule.num_layers != stack.num_layers:
-        raise InvalidSchedule(
-            f"schedule {schedule.provenance} is for L={schedule.num_layers} layers but the "
-            f"layer stack {stack.path!r} has L={stack.num_layers}"
-        )
-    graph = joint.gm.graph
-    nodes = list(graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
+def _check(joint: JointGraph, stack: LayerStack, p: Partition) -> None:
+    """Refuse a Partition that would change gradients (see the module docstring)."""
+    nodes = list(joint.gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
+    order = {n: i for i, n in enumerate(nodes)}
+    forward = {by_name[n] for n in stack.forward_nodes}
+    primals = {by_name[n] for n in joint.primals}
     for n in nodes:
         if is_mutating(n):
             raise UnsupportedGraph(
@@ -159,227 +102,216 @@ def rewrite(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Rewritt
                 "or recomputed value could be stale. Remove the in-place update of a "
                 "parameter, buffer or input from the training step."
             )
-    fwd = {by_name[name] for name in stack.forward_nodes}
-    primal_nodes = [by_name[p] for p in joint.primals]
-    primal_set = set(primal_nodes)
-    primal_index = {p: i for i, p in enumerate(primal_nodes)}
-    tangent_nodes = [by_name[t] for t in joint.tangents]
-    output = nodes[-1]
-    fwd_computed = fwd - primal_set
-    bwd_nodes = [n for n in nodes if n not in fwd and n.op == "call_function"]
-    bwd_set = set(bwd_nodes)
-    layer = stack.layer_of
-
-    # Which forward values backward reads, and who reads them.
-    bw_readers: dict[fx.Node, list[fx.Node]] = {}
-    for b in bwd_nodes:
+    saved = set()
+    for s in p.saved:
+        node = by_name.get(s.name)
+        if node is None or node not in forward or node in primals:
+            raise InvalidSchedule(f"{p.provenance}: saved value {s.name!r} is not a forward node of the joint graph")
+        saved.add(node)
+    available_at: dict[fx.Node, int] = {}  # recomputed node -> graph position of its segment
+    for seg in p.segments:
+        before = by_name.get(seg.insert_before)
+        if before is None or before in forward:
+            raise InvalidSchedule(f"{p.provenance}: segment of group {seg.group} runs before "
+                                  f"{seg.insert_before!r}, which is not a backward node")
+        local: set[fx.Node] = set()
+        for name in seg.nodes:
+            node = by_name.get(name)
+            if node is None or node not in forward or node in primals:
+                raise InvalidSchedule(f"{p.provenance}: recomputed {name!r} is not a forward node")
+            for a in node.all_input_nodes:
+                if not (a in primals or a.op == "get_attr" or a in saved or a in local
+                        or (a in available_at and available_at[a] <= order[before])):
+                    raise InvalidSchedule(
+                        f"{p.provenance}: recomputing {node.format_node()} reads {a.name}, which is "
+                        "neither a primal, saved, nor recomputed earlier in its segment")
+            if is_random(node) and not _devices(node) <= {"cpu", "cuda"}:
+                raise UnsupportedGraph(
+                    f"random op {node.format_node()} runs on {sorted(_devices(node))}: its RNG "
+                    "state can be replayed only on cpu or cuda, so recomputing it would change "
+                    "gradients. Keep its layer out of the recomputed groups."
+                )
+            local.add(node)
+        for node in local:
+            available_at.setdefault(node, order[before])
+    for b in nodes:
+        if b in forward or b.op != "call_function":
+            continue
         for a in b.all_input_nodes:
-            if a in fwd_computed:
-                bw_readers.setdefault(a, []).append(b)
-
-    # Per group: its forward nodes, values forced saved, recompute closure, checkpoints.
-    group_nodes: list[set[fx.Node]] = []
-    forced: dict[fx.Node, str] = {}
-    for g in schedule.groups:
-        members = {n for n in fwd_computed if layer[n.name] in g}
-        group_nodes.append(members)
-        for v in members:
-            for b in bw_readers.get(v, ()):
-                if layer[b.name] not in g:
-                    forced[v] = (
-                        "read by the backward of "
-                        + (f"layer {layer[b.name]}" if layer[b.name] is not None else "the outer region")
-                        + f" ({b.name}), outside the group"
-                    )
-                    break
-    checkpoints: set[fx.Node] = set()
-    recompute: list[set[fx.Node]] = [set() for _ in schedule.groups]
-    for _ in range(len(nodes) + 1):
-        stop = set(forced) | checkpoints
-        new_ckpt: set[fx.Node] = set()
-        for gi, members in enumerate(group_nodes):
-            needed = [v for v in members if v in bw_readers and v not in stop]
-            # a multi-output op stays with the getitems that read it
-            allowed = members | {v for v in fwd_computed if tensor_val(v) is None}
-            r = _tensor_ancestors_in(needed, allowed, stop)
-            recompute[gi] = r
-            for v in r:
-                for a in v.all_input_nodes:
-                    if a in fwd_computed and a not in r:
-                        new_ckpt.add(a)
-        if new_ckpt == checkpoints:
-            break
-        checkpoints = new_ckpt
-    recomputed_any = set().union(*recompute) if recompute else set()
-    saved_nodes = sorted(
-        ({v for v in bw_readers if v not in recomputed_any} | checkpoints),
-        key=order.__getitem__,
-    )
-    random_in_recompute = sorted((v for v in recomputed_any if is_random(v)), key=order.__getitem__)
-    for v in random_in_recompute:
-        _check_rng_supported(v)
-
-    # Where each segment runs: before the first backward node reading its values.
-    segments: list[tuple[int, int, list[fx.Node]]] = []
-    for gi, r in enumerate(recompute):
-        readers = [b for v in r for b in bw_readers.get(v, ())]
-        if not readers:
-            continue
-        first = min(readers, key=order.__getitem__)
-        segments.append((order[first], gi, sorted(r, key=order.__getitem__)))
-    segments.sort()
-
-    # ---- forward graph
-    fgraph = fx.Graph()
-    fenv: dict[fx.Node, fx.Node] = {}
-    rng_state_of: dict[fx.Node, fx.Node] = {}
-    layer_out: dict[str, int | None] = {}
-    kind_out: dict[str, str] = {}
-    for n in nodes:
-        if n not in fwd:
-            continue
-        if n in recomputed_any and is_random(n):
-            args = fx.node.map_arg(n.args, fenv.__getitem__)
-            kwargs = fx.node.map_arg(n.kwargs, fenv.__getitem__)
-            both = fgraph.create_node(
-                "call_function", run_and_save_rng_state, (n.target, *args), kwargs,
-                name=f"{n.name}_with_rng_state",
-            )
-            state = fgraph.create_node(
-                "call_function", operator.getitem, (both, 0), name=f"{n.name}_rng_state"
-            )
-            value = fgraph.create_node("call_function", operator.getitem, (both, 1), name=n.name)
-            device = next(iter(_devices(n)))
-            state_val = torch.empty(
-                RNG_STATE_BYTES.get(device, 16), dtype=torch.uint8, device="meta"
-            )
-            state.meta["val"] = state_val
-            both.meta["val"] = (state_val, n.meta["val"])
-            value.meta.update(n.meta)
-            for extra in (both, state):
-                layer_out[extra.name] = layer[n.name]
-                kind_out[extra.name] = "forward"
-            fenv[n] = value
-            rng_state_of[n] = state
-            new = value
-        else:
-            new = fgraph.node_copy(n, fenv.__getitem__)
-            fenv[n] = new
-        layer_out[new.name] = layer[n.name]
-        kind_out[new.name] = "forward"
-    fwd_outs = [fenv[a] if isinstance(a, fx.Node) else a for a in output.args[0][: joint.num_fwd_outputs]]
-    rng_nodes = [rng_state_of[v] for v in random_in_recompute]
-    fgraph.output([*fwd_outs, *(fenv[v] for v in saved_nodes), *rng_nodes])
-    fgraph.lint()
-    forward_gm = fx.GraphModule(joint.gm, fgraph, class_name="RematForward")
-
-    # ---- backward graph
-    bgraph = fx.Graph()
-    benv: dict[fx.Node, fx.Node] = {}
-    for v in saved_nodes:
-        ph = bgraph.placeholder(v.name)
-        ph.meta.update(v.meta)
-        benv[v] = ph
-        layer_out[ph.name] = layer[v.name]
-    state_ph: dict[fx.Node, fx.Node] = {}
-    for v in random_in_recompute:
-        src = rng_state_of[v]
-        ph = bgraph.placeholder(src.name)
-        ph.meta.update(src.meta)
-        state_ph[v] = ph
-        layer_out[ph.name] = layer[v.name]
-    used_primals: set[fx.Node] = set()
-    for b in bwd_nodes:
-        used_primals.update(a for a in b.all_input_nodes if a in primal_set)
-    for r in recompute:
-        for v in r:
-            used_primals.update(a for a in v.all_input_nodes if a in primal_set)
-    bw_primals = [p for p in primal_nodes if p in used_primals]
-    for p in bw_primals:
-        ph = bgraph.placeholder(p.name)
-        ph.meta.update(p.meta)
-        benv[p] = ph
-        layer_out[ph.name] = None
-    for t in tangent_nodes:
-        ph = bgraph.placeholder(t.name)
-        ph.meta.update(t.meta)
-        benv[t] = ph
-        layer_out[ph.name] = None
-
-    seg_records: list[RecomputeSegment] = []
-    renv: dict[fx.Node, fx.Node] = {}
-    pending = list(segments)
-    for b in bwd_nodes:
-        while pending and pending[0][0] == order[b]:
-            _, gi, seg_nodes = pending.pop(0)
-            local: dict[fx.Node, fx.Node] = {}
-
-            def lookup(a: fx.Node) -> fx.Node:
-                return local[a] if a in local else benv[a]
-
-            for v in seg_nodes:
-                args = fx.node.map_arg(v.args, lookup)
-                kwargs = fx.node.map_arg(v.kwargs, lookup)
-                if is_random(v):
-                    target, args = run_with_rng_state, (state_ph[v], v.target, *args)
-                else:
-                    target = v.target
-                new = bgraph.create_node(
-                    v.op, target, args, kwargs, name=f"{v.name}_recompute"
-                )
-                new.meta.update(v.meta)
-                local[v] = new
-                layer_out[new.name] = layer[v.name]
-                kind_out[new.name] = "recompute"
-            renv.update(local)
-            seg_records.append(
-                RecomputeSegment(
-                    group=gi,
-                    layers=schedule.groups[gi],
-                    nodes=tuple(v.name for v in seg_nodes),
-                    checkpoints=tuple(
-                        sorted(
-                            {a.name for v in seg_nodes for a in v.all_input_nodes
-                             if a in fwd_computed and a not in local},
-                        )
-                    ),
-                    insert_before=b.name,
-                    rng_replayed=tuple(v.name for v in seg_nodes if is_random(v)),
-                )
-            )
-
-        def resolve(a: fx.Node) -> fx.Node:
-            if a in benv:
-                return benv[a]
-            if a in renv:
-                return renv[a]
-            raise AssertionError(f"rewrite bug: {a.name} is neither saved nor recomputed before {b.name}")
-
-        new = bgraph.node_copy(b, resolve)
-        benv[b] = new
-        layer_out[new.name] = layer[b.name]
-        kind_out[new.name] = "backward"
-    grads = output.args[0][joint.num_fwd_outputs :]
-    bgraph.output([benv[g] if isinstance(g, fx.Node) else g for g in grads])
-    bgraph.lint()
-    backward_gm = fx.GraphModule(joint.gm, bgraph, class_name="RematBackward")
-
-    saved_names = tuple(fenv[v].name for v in saved_nodes) + tuple(s.name for s in rng_nodes)
-    return RewrittenStep(
-        forward=forward_gm,
-        backward=backward_gm,
-        schedule=schedule,
-        num_fwd_outputs=joint.num_fwd_outputs,
-        saved=saved_names,
-        backward_primal_indices=tuple(primal_index[p] for p in bw_primals),
-        segments=tuple(seg_records),
-        forced_saves={v.name: reason for v, reason in sorted(forced.items(), key=lambda kv: order[kv[0]])},
-        layer_of=layer_out,
-        kind_of=kind_out,
-    )
+            if a in forward and a not in primals and a.op != "get_attr" and a not in saved and not (
+                    a in available_at and available_at[a] <= order[b]):
+                raise InvalidSchedule(
+                    f"{p.provenance}: backward node {b.format_node()} reads {a.name}, which is "
+                    "neither saved nor recomputed before it: the rewrite would change gradients")
 
 
-def _devices(node: fx.Node) -> set[str]:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return {v.device.type for v in vals if isinstance(v, torch.Tensor)} or {"cpu"}
+def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule) -> RewrittenStep:
+    """Build the forward and backward graphs that apply ``decision``.
+
+    Args:
+        joint: the traced step (its graph is not modified).
+        stack: the layer stack: the forward nodes and the layer of every joint node
+            (``assign_layers``).
+        decision: a Partition, or a Schedule (partitioned with ``partition.partition``).
+
+    Returns:
+        The RewrittenStep. Its gradients equal the joint graph's bit for bit (same ops on
+        the same values; random ops replay their RNG state).
+
+    Raises:
+        InvalidSchedule: a Schedule for another number of layers, or a Partition that
+            leaves a value backward reads neither saved nor recomputed before it.
+        UnsupportedGraph: the joint graph mutates a value in place, or a random op in
+            a segment runs on a device whose RNG state cannot be replayed.
+    """
+    p = decision if isinstance(decision, Partition) else partition(joint, stack, decision)
+    _check(joint, stack, p)
+    return _Builder(joint, stack, p).build()
+
+
+class _Builder:
+    """Copies the joint graph's nodes into the forward and backward graphs."""
+
+    def __init__(self, joint: JointGraph, stack: LayerStack, p: Partition):
+        self.joint, self.p = joint, p
+        self.nodes = list(joint.gm.graph.nodes)
+        self.by_name = {n.name: n for n in self.nodes}
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.forward = {self.by_name[n] for n in stack.forward_nodes}
+        self.layer = stack.layer_of
+        self.saved_nodes = [self.by_name[n] for n in p.saved_names]
+        self.random = sorted((self.by_name[n] for seg in p.segments for n in seg.rng_replayed),
+                             key=self.order.__getitem__)
+        self.layer_out: dict[str, int | None] = {}
+        self.kind_out: dict[str, str] = {}
+
+    def _label(self, new: fx.Node, source: fx.Node, kind: str | None) -> None:
+        self.layer_out[new.name] = self.layer[source.name]
+        if kind is not None:
+            self.kind_out[new.name] = kind
+
+    def build_forward(self) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        rng_state_of: dict[fx.Node, fx.Node] = {}
+        replayed = set(self.random)
+        for n in self.nodes:
+            if n not in self.forward:
+                continue
+            if n in replayed:
+                value, state = self._forward_with_rng_state(graph, n, env)
+                rng_state_of[n] = state
+            else:
+                value = graph.node_copy(n, env.__getitem__)
+            env[n] = value
+            self._label(value, n, "forward")
+        output = self.nodes[-1]
+        k = self.joint.num_fwd_outputs
+        fwd_outs = [env[a] if isinstance(a, fx.Node) else a for a in output.args[0][:k]]
+        graph.output([*fwd_outs, *(env[v] for v in self.saved_nodes), *(rng_state_of[v] for v in self.random)])
+        graph.lint()
+        return fx.GraphModule(self.joint.gm, graph, class_name="RematForward"), env, rng_state_of
+
+    def _forward_with_rng_state(self, graph: fx.Graph, n: fx.Node, env: dict) -> tuple[fx.Node, fx.Node]:
+        args = fx.node.map_arg(n.args, env.__getitem__)
+        kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+        both = graph.create_node("call_function", run_and_save_rng_state, (n.target, *args), kwargs,
+                                 name=f"{n.name}_with_rng_state")
+        state = graph.create_node("call_function", operator.getitem, (both, 0), name=f"{n.name}_rng_state")
+        value = graph.create_node("call_function", operator.getitem, (both, 1), name=n.name)
+        device = next(iter(_devices(n) or {"cpu"}))
+        state_val = torch.empty(RNG_STATE_BYTES.get(device, 16), dtype=torch.uint8, device="meta")
+        state.meta["val"] = state_val
+        both.meta["val"] = (state_val, n.meta["val"])
+        value.meta.update(n.meta)
+        for extra in (both, state):
+            self._label(extra, n, "forward")
+        return value, state
+
+    def build(self) -> RewrittenStep:
+        forward_gm, fenv, rng_state_of = self.build_forward()
+        backward_gm, bw_primals = self.build_backward(rng_state_of)
+        primal_index = {name: i for i, name in enumerate(self.joint.primals)}
+        saved_names = tuple(fenv[v].name for v in self.saved_nodes) + tuple(
+            rng_state_of[v].name for v in self.random)
+        return RewrittenStep(
+            forward=forward_gm,
+            backward=backward_gm,
+            partition=self.p,
+            num_fwd_outputs=self.joint.num_fwd_outputs,
+            saved=saved_names,
+            backward_primal_indices=tuple(primal_index[p.name] for p in bw_primals),
+            layer_of=self.layer_out,
+            kind_of=self.kind_out,
+        )
+
+    def build_backward(self, rng_state_of: dict[fx.Node, fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for v in self.saved_nodes:
+            env[v] = self._placeholder(graph, v, v)
+        state_placeholder = {v: self._placeholder(graph, rng_state_of[v], v) for v in self.random}
+        primals = [self.by_name[p] for p in self.joint.primals]
+        primal_set = set(primals)
+        backward_nodes = [n for n in self.nodes if n not in self.forward and n.op == "call_function"]
+        recomputed = [self.by_name[n] for n in self.p.recomputed_names]
+        used = {a for n in backward_nodes + recomputed for a in n.all_input_nodes if a in primal_set}
+        bw_primals = [p for p in primals if p in used]
+        for p in bw_primals:
+            env[p] = self._placeholder(graph, p, None)
+        for t in self.joint.tangents:
+            env[self.by_name[t]] = self._placeholder(graph, self.by_name[t], None)
+        segments_before: dict[str, list[Segment]] = {}
+        for seg in self.p.segments:
+            segments_before.setdefault(seg.insert_before, []).append(seg)
+        recomputed_env: dict[fx.Node, fx.Node] = {}
+        for b in backward_nodes:
+            for seg in segments_before.get(b.name, ()):
+                self._recompute(graph, seg, env, recomputed_env, state_placeholder)
+
+            new = graph.node_copy(b, lambda a: self._lookup(graph, a, env, recomputed_env))
+            env[b] = new
+            self._label(new, b, "backward")
+        grads = self.nodes[-1].args[0][self.joint.num_fwd_outputs:]
+        graph.output([env[g] if isinstance(g, fx.Node) else g for g in grads])
+        graph.lint()
+        return fx.GraphModule(self.joint.gm, graph, class_name="RematBackward"), bw_primals
+
+    def _lookup(self, graph: fx.Graph, a: fx.Node, env: dict, recomputed_env: dict) -> fx.Node:
+        """The backward graph's node for joint node ``a``: saved, primal, tangent or
+        earlier backward node, recomputed, or a graph constant (copied on first use)."""
+        if a in env:
+            return env[a]
+        if a in recomputed_env:
+            return recomputed_env[a]
+        if a.op == "get_attr":
+            env[a] = graph.node_copy(a)
+            self._label(env[a], a, None)
+            return env[a]
+        raise KeyError(a.name)  # _check guarantees every other input is available
+
+    def _placeholder(self, graph: fx.Graph, source: fx.Node, layer_source: fx.Node | None) -> fx.Node:
+        ph = graph.placeholder(source.name)
+        ph.meta.update(source.meta)
+        self.layer_out[ph.name] = None if layer_source is None else self.layer[layer_source.name]
+        return ph
+
+    def _recompute(self, graph: fx.Graph, seg: Segment, env: dict, recomputed_env: dict,
+                   state_placeholder: dict[fx.Node, fx.Node]) -> None:
+        local: dict[fx.Node, fx.Node] = {}
+
+        def lookup(a: fx.Node) -> Any:
+            return local[a] if a in local else self._lookup(graph, a, env, recomputed_env)
+
+        for name in seg.nodes:
+            v = self.by_name[name]
+            args = fx.node.map_arg(v.args, lookup)
+            kwargs = fx.node.map_arg(v.kwargs, lookup)
+            target = v.target
+            if v in state_placeholder:
+                target, args = run_with_rng_state, (state_placeholder[v], v.target, *args)
+            new = graph.create_node(v.op, target, args, kwargs, name=f"{v.name}_recompute")
+            new.meta.update(v.meta)
+            local[v] = new
+            self._label(new, v, "recompute")
+        recomputed_env.update(local)

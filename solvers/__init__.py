@@ -1,9 +1,15 @@
-"""Schedule solvers: plain per-layer costs in, recompute groups out (never imports torch.fx).
+"""Schedule solvers: plain costs in, recompute groups out. Imports neither torch nor
+``remat_pass``.
 
-``solvers.chain`` holds the chain model of a layer stack under Megatron-style full
-recompute and an exact dynamic program over it (Pareto front of peak bytes versus
-recompute FLOPs): the least recompute under a peak budget, and the least peak under a
-recompute budget.
+- ``solvers.chain``: the chain model of a layer stack under Megatron-style full
+  recompute and an exact dynamic program over it (Pareto front of peak bytes versus
+  recompute FLOPs): the least recompute under a peak budget, the least peak under a
+  recompute budget.
+- ``solvers.resolve``: the same answers checked against an exact predictor
+  (``predict(groups) -> bytes``), re-solving tighter when the model overshoots.
+- ``solvers.poly``: integer polynomials in shape symbols (symbolic sizes).
+- ``solvers.closed_forms``: Megatron uniform / block peaks in closed form (sympy).
+- ``solvers.errors``: the error types (re-exported by ``remat_pass.errors``).
 """
 
 from .chain import (
@@ -15,5 +21,21 @@ from .chain import (
     model_peak,
     pareto_front,
 )
+from .errors import InfeasibleBudget, InvalidSchedule, RematError
+from .resolve import CheckedPlan, least_feasible_checked, least_recompute_checked
 
-__all__ = ["ChainCosts", "Solution", "least_feasible_peak", "least_peak", "least_recompute", "model_peak", "pareto_front"]
+__all__ = [
+    "ChainCosts",
+    "CheckedPlan",
+    "InfeasibleBudget",
+    "InvalidSchedule",
+    "RematError",
+    "Solution",
+    "least_feasible_checked",
+    "least_feasible_peak",
+    "least_peak",
+    "least_recompute",
+    "least_recompute_checked",
+    "model_peak",
+    "pareto_front",
+]

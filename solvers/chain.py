@@ -3,7 +3,7 @@
 A schedule splits the L layers of the stack into *recomputed groups* of consecutive
 layers (any sizes) and *stored* layers (anywhere). The model predicts its peak bytes
 from per-layer costs, all plain integers (bytes, FLOPs) calibrated from the graph's
-liveness (``remat_pass.symbolic.chain_costs``):
+liveness (``remat_pass.symbolic.SymbolicModel.chain_costs``):
 
 - ``M(<p)``: bytes saved in forward by the layers before ``p`` and still held in
   backward: ``stored_saved_bytes[i]`` for a stored layer, ``last_saved_bytes[i]`` for
@@ -35,9 +35,9 @@ is rebuilt once, from its saved input, right before its backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from remat_pass.errors import InfeasibleBudget, InvalidSchedule
+from .errors import InvalidSchedule, infeasible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +90,18 @@ class Solution:
     recompute_flops: int
 
 
-def _group_terms(c: ChainCosts, p: int, q: int) -> tuple[int, int, int, int]:
-    """(peak above M(<p), saved bytes, recompute FLOPs, forward peak above M(<p)) of group p..q."""
+class _GroupTerms(NamedTuple):
+    """What a recomputed group p..q adds: its peak above M(<p) (bytes), the bytes it
+    saves, its recompute FLOPs, and its forward peak above M(<p) (bytes)."""
+
+    peak_above_bytes: int
+    saved_bytes: int
+    recompute_flops: int
+    forward_peak_above_bytes: int
+
+
+def _group_terms(c: ChainCosts, p: int, q: int) -> _GroupTerms:
+    """The terms of group p..q (see ``_GroupTerms``)."""
     member_saved = 0
     carry = 0
     bw = 0
@@ -104,7 +114,7 @@ def _group_terms(c: ChainCosts, p: int, q: int) -> tuple[int, int, int, int]:
             carry += c.carry_bytes[j]
     saved = member_saved + c.last_saved_bytes[q]
     flops = sum(c.member_recompute_flops[p:q]) + c.last_recompute_flops[q]
-    return max(fw, bw), saved, flops, fw
+    return _GroupTerms(max(fw, bw), saved, flops, fw)
 
 
 def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
@@ -131,10 +141,10 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
     while i < c.num_layers:
         if i in start_of:
             q = start_of[i]
-            above, saved, f, _ = _group_terms(c, i, q)
-            peak = max(peak, m + above + (x if seen_group else 0))
-            m += saved
-            flops += f
+            g = _group_terms(c, i, q)
+            peak = max(peak, m + g.peak_above_bytes + (x if seen_group else 0))
+            m += g.saved_bytes
+            flops += g.recompute_flops
             seen_group = True
             i = q + 1
         else:
@@ -146,33 +156,58 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
     return Solution(tuple(tuple(g) for g in groups), peak, flops)
 
 
-def _prune(states: list[tuple], budget: int | None, dims: tuple[int, ...],
-           flops_budget: int | None = None) -> list[tuple]:
-    """Keep the states not dominated on ``dims`` (indices of M, flops, peak) among those
-    with the same has-group flag; drop those over ``budget`` or ``flops_budget``."""
+class _State(NamedTuple):
+    """A partial schedule of layers 0..i-1 in the dynamic program.
+
+    Attributes:
+        saved_bytes: M, bytes saved by those layers and still held in backward.
+        recompute_flops: recompute FLOPs of their groups.
+        peak_bytes: the model peak over their regions so far.
+        key: the choices as a tuple, a deterministic tie-break.
+        choices: the same choices as a linked list ``((p, q or None), rest)``.
+        has_group: whether one of them is a recomputed group.
+    """
+
+    saved_bytes: int
+    recompute_flops: int
+    peak_bytes: int
+    key: tuple
+    choices: tuple
+    has_group: bool
+
+
+def _prune(states: list[_State], budget: int | None, dims: tuple[str, ...],
+           flops_budget: int | None = None) -> list[_State]:
+    """Keep the states not dominated on the fields ``dims`` among those with the same
+    ``has_group``; drop those over ``budget`` (bytes) or ``flops_budget``."""
     if budget is not None:
-        states = [s for s in states if s[2] <= budget]
+        states = [s for s in states if s.peak_bytes <= budget]
     if flops_budget is not None:
-        states = [s for s in states if s[1] <= flops_budget]
-    states.sort(key=lambda s: (s[5], *(s[d] for d in dims), s[0], s[1], s[2], s[3]))
-    kept: list[tuple] = []
-    staircase: dict[bool, list[tuple]] = {False: [], True: []}
+        states = [s for s in states if s.recompute_flops <= flops_budget]
+    states.sort(key=lambda s: (s.has_group, *(getattr(s, d) for d in dims), s.saved_bytes,
+                               s.recompute_flops, s.peak_bytes, s.key))
+    kept: list[_State] = []
     if len(dims) == 2:  # sorted on dims[0]: dominated iff not below the best dims[1] so far
         best: dict[bool, Any] = {False: None, True: None}
         for s in states:
-            b = best[s[5]]
-            if b is not None and b <= s[dims[1]]:
+            b = best[s.has_group]
+            if b is not None and b <= getattr(s, dims[1]):
                 continue
-            best[s[5]] = s[dims[1]]
+            best[s.has_group] = getattr(s, dims[1])
             kept.append(s)
         return kept
+    staircase: dict[bool, list[_State]] = {False: [], True: []}
     for s in states:
-        others = staircase[s[5]]
-        if any(all(k[d] <= s[d] for d in dims[1:]) for k in others):
+        others = staircase[s.has_group]
+        if any(all(getattr(k, d) <= getattr(s, d) for d in dims[1:]) for k in others):
             continue
         others.append(s)
         kept.append(s)
     return kept
+
+
+def _solution(final: "_Final") -> Solution:
+    return Solution(_groups_of(final.choices), final.peak_bytes, final.recompute_flops)
 
 
 def _groups_of(choices: tuple) -> tuple[tuple[int, ...], ...]:
@@ -184,51 +219,63 @@ def _groups_of(choices: tuple) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(out))
 
 
+class _Final(NamedTuple):
+    """A complete schedule found by the dynamic program."""
+
+    recompute_flops: int
+    peak_bytes: int
+    key: tuple
+    choices: tuple
+
+
+_SAVED, _FLOPS, _PEAK = "saved_bytes", "recompute_flops", "peak_bytes"
+
+
 def _solve(c: ChainCosts, budget_bytes: int | None, flops_budget: int | None,
-           dims: tuple[int, ...]) -> list[tuple]:
-    """The dynamic program: final ``(flops, peak, tiebreak key, choices)`` of the
-    schedules kept when states are compared on ``dims`` (0: M, 1: FLOPs, 2: peak)."""
+           dims: tuple[str, ...]) -> list[_Final]:
+    """The dynamic program: the complete schedules kept when partial ones are compared
+    on the ``_State`` fields ``dims``."""
     L = c.num_layers
     x = c.shared_checkpoint_bytes
-    group_cache: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-    finals = []
+    group_cache: dict[tuple[int, int], _GroupTerms] = {}
+    finals: list[_Final] = []
     # mode 0: no group at all (store everything); mode 1: at least one group, so the
     # shared checkpoint is live in every forward region and the head.
     for mode in (0, 1):
         xf = x if mode else 0
-        # a state: (M, flops, peak, tiebreak key, choices as a linked list, has_group)
-        frontier: list[list[tuple]] = [[] for _ in range(L + 1)]
-        frontier[0] = [(0, 0, 0, (), (), False)]
+        frontier: list[list[_State]] = [[] for _ in range(L + 1)]
+        frontier[0] = [_State(0, 0, 0, (), (), False)]
         for i in range(L):
             states = _prune(frontier[i], budget_bytes, dims, flops_budget)
             frontier[i] = []
-            for m, f, pk, key, ch, has in states:
-                xb = x if has else 0
-                p2 = max(pk, m + xf + c.stored_forward_bytes[i], m + xb + c.stored_backward_bytes[i])
-                frontier[i + 1].append(
-                    (m + c.stored_saved_bytes[i], f, p2, key + ((i, -1),), ((i, None), ch), has)
-                )
+            for s in states:
+                m, xb = s.saved_bytes, (x if s.has_group else 0)
+                stored_peak = max(s.peak_bytes, m + xf + c.stored_forward_bytes[i],
+                                  m + xb + c.stored_backward_bytes[i])
+                frontier[i + 1].append(_State(
+                    m + c.stored_saved_bytes[i], s.recompute_flops, stored_peak,
+                    s.key + ((i, -1),), ((i, None), s.choices), s.has_group))
                 if not mode:
                     continue
                 for q in range(i, L):
                     if (i, q) not in group_cache:
                         group_cache[(i, q)] = _group_terms(c, i, q)
-                    above, saved, gf, _ = group_cache[(i, q)]
-                    p3 = max(pk, m + above + (x if has else 0))
-                    if budget_bytes is not None and p3 > budget_bytes:
+                    g = group_cache[(i, q)]
+                    group_peak = max(s.peak_bytes, m + g.peak_above_bytes + xb)
+                    if budget_bytes is not None and group_peak > budget_bytes:
                         continue
-                    frontier[q + 1].append(
-                        (m + saved, f + gf, p3, key + ((i, q),), ((i, q), ch), True)
-                    )
-        for m, f, pk, key, ch, has in frontier[L]:
-            if has != bool(mode):
+                    frontier[q + 1].append(_State(
+                        m + g.saved_bytes, s.recompute_flops + g.recompute_flops, group_peak,
+                        s.key + ((i, q),), ((i, q), s.choices), True))
+        for s in frontier[L]:
+            if s.has_group != bool(mode):
                 continue
-            peak = max(pk, m + xf + c.head_bytes, c.outer_bytes)
+            peak = max(s.peak_bytes, s.saved_bytes + xf + c.head_bytes, c.outer_bytes)
             if budget_bytes is not None and peak > budget_bytes:
                 continue
-            if flops_budget is not None and f > flops_budget:
+            if flops_budget is not None and s.recompute_flops > flops_budget:
                 continue
-            finals.append((f, peak, key, ch))
+            finals.append(_Final(s.recompute_flops, peak, s.key, s.choices))
     return finals
 
 
@@ -247,21 +294,20 @@ def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solutio
     layer boundary; F grows quickly on heterogeneous chains (use ``least_recompute``,
     which compares states on (M, FLOPs) only, for long stacks).
     """
-    finals = _solve(c, budget_bytes, None, (0, 1, 2))
-    finals.sort(key=lambda s: (s[0], s[1], s[2]))
+    finals = _solve(c, budget_bytes, None, (_SAVED, _FLOPS, _PEAK))
+    finals.sort(key=lambda f: (f.recompute_flops, f.peak_bytes, f.key))
     front: list[Solution] = []
-    for f, peak, key, ch in finals:
-        if front and front[-1].peak_bytes <= peak:
+    for f in finals:
+        if front and front[-1].peak_bytes <= f.peak_bytes:
             continue
-        front.append(Solution(_groups_of(ch), peak, f))
+        front.append(_solution(f))
     return front
 
 
 def least_feasible_peak(c: ChainCosts) -> Solution:
     """The schedule of least model peak (among those, the least recompute)."""
-    finals = _solve(c, None, None, (0, 2))
-    f, peak, key, ch = min(finals, key=lambda s: (s[1], s[0], s[2]))
-    return Solution(_groups_of(ch), peak, f)
+    finals = _solve(c, None, None, (_SAVED, _PEAK))
+    return _solution(min(finals, key=lambda f: (f.peak_bytes, f.recompute_flops, f.key)))
 
 
 def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
@@ -273,23 +319,20 @@ def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
             the error carries that least peak (``least_feasible_peak_bytes``).
 
     Example:
+        Two layers; storing both peaks at 30 bytes, recomputing layer 0 alone at 22
+        for 5 FLOPs:
+
         >>> c = ChainCosts((10, 10), (2, 2), (0, 0), (10, 10), (10, 10), (20, 20),
         ...                (20, 20), (12, 12), (5, 5), (5, 5), 0, 0)
-        >>> least_recompute(c, 30).groups
-        ((0,),)
+        >>> least_recompute(c, 30)
+        Solution(groups=(), peak_bytes=30, recompute_flops=0)
+        >>> least_recompute(c, 25)
+        Solution(groups=((0,),), peak_bytes=22, recompute_flops=5)
     """
-    finals = _solve(c, budget_bytes, None, (0, 1))
+    finals = _solve(c, budget_bytes, None, (_SAVED, _FLOPS))
     if not finals:
-        least = least_feasible_peak(c).peak_bytes
-        raise InfeasibleBudget(
-            f"no schedule fits a peak budget of {budget_bytes} bytes: the least feasible "
-            f"peak is {least} bytes ({least / 2**20:.2f} MiB); raise the budget to at "
-            "least that",
-            least_feasible_peak_bytes=least,
-            budget_bytes=budget_bytes,
-        )
-    f, peak, key, ch = min(finals, key=lambda s: (s[0], s[1], s[2]))
-    return Solution(_groups_of(ch), peak, f)
+        raise infeasible(budget_bytes, least_feasible_peak(c).peak_bytes)
+    return _solution(min(finals, key=lambda f: (f.recompute_flops, f.peak_bytes, f.key)))
 
 
 def least_peak(c: ChainCosts, recompute_budget_flops: int) -> Solution:
@@ -302,6 +345,5 @@ def least_peak(c: ChainCosts, recompute_budget_flops: int) -> Solution:
     if recompute_budget_flops < 0:
         raise ValueError(f"recompute budget {recompute_budget_flops} FLOPs is negative; it must be >= 0")
     # storing everything costs 0 FLOPs, so some schedule always qualifies
-    finals = _solve(c, None, recompute_budget_flops, (0, 1, 2))
-    f, peak, key, ch = min(finals, key=lambda s: (s[1], s[0], s[2]))
-    return Solution(_groups_of(ch), peak, f)
+    finals = _solve(c, None, recompute_budget_flops, (_SAVED, _FLOPS, _PEAK))
+    return _solution(min(finals, key=lambda f: (f.peak_bytes, f.recompute_flops, f.key)))

@@ -15,7 +15,7 @@ from torch import nn
 
 from remat_pass import schedule as schedules
 from remat_pass.models import linear_chain
-from remat_pass.rewrite import rewrite
+from remat_pass.partition import partition
 from remat_pass.regions import assign_layers
 from remat_pass.trace import trace_joint
 
@@ -31,10 +31,9 @@ def _one_thread():
 def decision(joint, stack, schedule):
     """(saved names, forced saves {name: reason}, segments as (layers, nodes,
     checkpoints, insert_before, rng_replayed) in run order) of ``schedule``."""
-    step = rewrite(joint, stack, schedule)
-    segments = [(s.layers, s.nodes, s.checkpoints, s.insert_before, s.rng_replayed) for s in step.segments]
-    saved = tuple(n for n in step.saved if not n.endswith("_rng_state"))
-    return saved, step.forced_saves, segments
+    p = partition(joint, stack, schedule)
+    segments = [(s.layers, s.nodes, s.checkpoints, s.insert_before, s.rng_replayed) for s in p.segments]
+    return p.saved_names, p.forced_saves, segments
 
 
 def check(joint, stack, schedule, saved, forced, segments):

@@ -1,0 +1,96 @@
+"""Plans checked against an exact predictor: the chain model proposes, ``predict``
+disposes.
+
+The chain model (``solvers.chain``) is calibrated from a few schedules and can be off
+for others; the exact peak comes from liveness analysis of the rewritten step, which
+only the caller can compute. Given ``predict(groups) -> peak bytes``, these functions
+return schedules whose *predicted* peak (not the model's) fits the budget: when the
+model's answer overshoots, the model budget is lowered by the excess and the solve is
+repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .chain import ChainCosts, least_feasible_peak, least_recompute, model_peak, pareto_front
+from .errors import InfeasibleBudget, infeasible
+
+Groups = tuple[tuple[int, ...], ...]
+Predict = Callable[[Groups], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedPlan:
+    """A schedule chosen by the chain model and checked by ``predict``.
+
+    Attributes:
+        groups: the recomputed groups (others stored).
+        model_peak_bytes: the chain model's peak of ``groups``.
+        predicted_peak_bytes: ``predict(groups)``.
+        recompute_flops: the chain model's recompute FLOPs of ``groups``.
+        resolves: how many times the model budget was lowered because ``predict``
+            exceeded the budget.
+    """
+
+    groups: Groups
+    model_peak_bytes: int
+    predicted_peak_bytes: int
+    recompute_flops: int
+    resolves: int
+
+
+def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates: int = 3,
+                           max_front_layers: int = 16) -> CheckedPlan:
+    """The schedule of least *predicted* peak among the chain model's lowest-peak answers.
+
+    The model's least-peak schedule and, for stacks of at most ``max_front_layers``
+    layers, the ``front_candidates`` lowest-peak schedules of its Pareto front are
+    predicted; the lowest prediction wins (ties: the first, i.e. the model's choice).
+    """
+    candidates = [least_feasible_peak(costs)]
+    if costs.num_layers <= max_front_layers:
+        candidates += pareto_front(costs)[-front_candidates:]
+    best: CheckedPlan | None = None
+    for sol in candidates:
+        peak = predict(sol.groups)
+        if best is None or peak < best.predicted_peak_bytes:
+            best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, 0)
+    assert best is not None
+    return best
+
+
+def least_recompute_checked(costs: ChainCosts, budget_bytes: int, predict: Predict,
+                            least: CheckedPlan, max_resolves: int = 20) -> CheckedPlan:
+    """The least-recompute schedule whose predicted peak is <= ``budget_bytes``.
+
+    Args:
+        costs: the chain model.
+        budget_bytes: the peak budget (bytes).
+        predict: exact peak of a schedule (bytes).
+        least: ``least_feasible_checked(costs, predict)`` (the fallback, and the bound
+            below which the budget is infeasible).
+        max_resolves: how often the model budget may be lowered before falling back to
+            ``least``.
+
+    Raises:
+        InfeasibleBudget: ``budget_bytes`` is below ``least.predicted_peak_bytes``.
+    """
+    if budget_bytes < least.predicted_peak_bytes:
+        raise infeasible(budget_bytes, least.predicted_peak_bytes)
+    model_budget = budget_bytes
+    resolves = 0
+    for resolves in range(max_resolves + 1):
+        try:
+            sol = least_recompute(costs, model_budget)
+        except InfeasibleBudget:
+            break
+        peak = predict(sol.groups)
+        if peak <= budget_bytes:
+            return CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, resolves)
+        model_budget -= max(peak - budget_bytes, 1)
+    # the model's answers kept overshooting: the least feasible schedule fits
+    sol = model_peak(costs, least.groups)
+    return CheckedPlan(least.groups, sol.peak_bytes, least.predicted_peak_bytes, sol.recompute_flops,
+                       resolves)
