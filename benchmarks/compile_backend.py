@@ -18,7 +18,7 @@ Rows, all on the same model, batch and initial weights (TinyGPT from
   ``torch._functorch.config.activation_memory_budget`` set while compiling.
 
 Measurement (DESIGN.md): CPU peak from the profiler's allocator events
-(``remat_pass.measure._profiled_peak_cpu``): the peak of the running sum of allocated
+(``remat_pass.measure.profiled_peak_cpu``): the peak of the running sum of allocated
 bytes above the start of one step (``.grad`` set to None before the window, so the
 gradients are allocated inside it and nothing allocated before it is freed inside it),
 after the compile step and the timed steps. Step time: the median wall time of
@@ -26,7 +26,7 @@ after the compile step and the timed steps. Step time: the median wall time of
 gradients against eager's, bit for bit, and the largest absolute difference.
 
 Usage: ``python benchmarks/compile_backend.py [--layers 8 --hidden 256 --seq 128
---batch 8 --k 2 --budgets 0.5,0.2,0.0 --repeats 5 --json out.json]``
+--batch 8 --recompute-num-layers 2 --budgets 0.5,0.2,0.0 --repeats 5 --json out.json]``
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import remat_pass
-from remat_pass.measure import _profiled_peak_cpu
+from remat_pass.measure import profiled_peak_cpu
 from remat_pass.models import TinyGPT
 from remat_pass.schedule import describe_groups
 
@@ -118,7 +118,7 @@ def run_row(
         once()
         times.append(time.perf_counter() - t)
     clear()  # the previous gradients are freed outside the profiled window
-    peak, _ = _profiled_peak_cpu(once)
+    peak, _ = profiled_peak_cpu(once)
     grads = [p.grad.detach().clone() for p in params]
     return {"peak_bytes": peak, "step_s": statistics.median(times), "grads": grads}
 
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--k", type=int, default=2, help="K of uniform and of the checkpoint groups")
+    ap.add_argument("--recompute-num-layers", type=int, default=2, metavar="K",
+                    help="K of uniform and of the checkpoint groups")
     ap.add_argument("--budgets", default="0.5,0.2,0.0",
                     help="activation_memory_budget values (1.0 is aot_eager's default row)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: step times stable on a shared machine)")
     args = ap.parse_args(argv)
-    L, K = args.layers, args.k
+    L, K = args.layers, args.recompute_num_layers
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)

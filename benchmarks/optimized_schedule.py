@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hetero import hetero_gpt  # noqa: E402
 
 from remat_pass.models import gpt2  # noqa: E402
-from remat_pass.report import text_table  # noqa: E402
-from remat_pass.symbolic import Planner  # noqa: E402
+from remat_pass.formatting import text_table  # noqa: E402
+from remat_pass.planner import Planner  # noqa: E402
 from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
 from solvers import ChainCosts, least_recompute  # noqa: E402
 
@@ -32,7 +32,7 @@ MIB = 2**20
 def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> None:
     t0 = time.perf_counter()
     session = Session.create(model, inputs, loss_fn)
-    planner = Planner(session)
+    planner = Planner(session.joint, session.stack, session.report)
     L = planner.model.num_layers
     megatron = [(s, planner.report(s)) for s in megatron_schedules(L)]
     least = planner.least_feasible()[1]

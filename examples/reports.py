@@ -43,7 +43,7 @@ def rel(path: Path) -> str:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    u4 = ["--schedule", "uniform", "--num-layers", "4"]
+    u4 = ["--schedule", "uniform", "--recompute-num-layers", "4"]
 
     # inspect: the summary, saved activations and recompute segments, and the node
     # tables of one layer (the whole table has one row per node: ~2000 rows)

@@ -19,14 +19,37 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
-from .errors import RematError
+from . import schedule as schedules
+from .errors import InfeasibleBudget, RematError
+from .formatting import fmt_bytes, mib, parse_bytes, text_table
+from .gate import gate
+from .inspection import describe_step, dump_step, load_dump, render
+from .measure import measured_step_timeline
 from .models import build
-from .report import SWEEP_COLUMNS, sweep_rows, text_table, write_json
+from .planner import Planner, max_batch_rows
+from .plot import plot_timeline
+from .report import (
+    SWEEP_COLUMNS,
+    plan_json,
+    plan_text,
+    read_reports,
+    report_json,
+    report_markdown,
+    reports_document,
+    summary_markdown,
+    sweep_rows,
+    symbolic_model_text,
+    write_json,
+    write_report,
+)
 from .sweep import Session, sweep
+from .symbolic import default_symbols, trace_symbolic
 
 DEFAULT_MODEL = "remat_pass.models:gpt2"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def positive_int(text: str) -> int:
@@ -90,16 +113,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "rows": [r.to_dict() for r in results],
         })
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if all(r.grads_equal for r in results) else 1
+    return EXIT_OK if all(r.grads_equal for r in results) else EXIT_FAILED
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option name that still works for one release, with a note on stderr."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        print(f"remat-pass: {option_string} is deprecated (it is K or N, not the number of layers L); "
+              "use --recompute-num-layers", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> None:
-    """Add ``--schedule none|uniform|block``, ``--num-layers K`` and ``--all-schedules``."""
+    """Add ``--schedule none|uniform|block``, ``--recompute-num-layers K`` (old name
+    ``--num-layers``, deprecated) and ``--all-schedules``."""
     g = p.add_argument_group("schedule")
     g.add_argument("--schedule", choices=("none", "uniform", "block"), default="none",
                    help="recompute method (Megatron-LM --recompute-method; default: %(default)s)")
-    g.add_argument("--num-layers", type=int, metavar="K",
+    g.add_argument("--recompute-num-layers", type=int, metavar="K", dest="recompute_num_layers",
                    help="K for uniform, N for block (Megatron-LM --recompute-num-layers)")
+    g.add_argument("--num-layers", type=int, metavar="K", dest="recompute_num_layers", action=_DeprecatedAlias,
+                   help=argparse.SUPPRESS)
     if allow_all:
         g.add_argument("--all-schedules", action="store_true",
                        help="every Megatron setting: none, uniform K=1..L, block N=0..L")
@@ -107,15 +142,13 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> Non
                    help="allocator model for the predicted bytes (default: %(default)s)")
 
 
-def _schedules(args: argparse.Namespace, num_layers: int) -> list:
-    from . import schedule as schedules
-    from .sweep import megatron_schedules
-
+def _schedules(args: argparse.Namespace, num_layers: int) -> list[schedules.Schedule]:
     if getattr(args, "all_schedules", False):
-        return megatron_schedules(num_layers)
-    if args.schedule != "none" and args.num_layers is None:
-        raise ValueError(f"--schedule {args.schedule} needs --num-layers K (the layer stack has L={num_layers})")
-    return [schedules.make(args.schedule, args.num_layers, num_layers)]
+        return schedules.megatron_schedules(num_layers)
+    if args.schedule != "none" and args.recompute_num_layers is None:
+        raise ValueError(f"--schedule {args.schedule} needs --recompute-num-layers K (the layer stack has "
+                         f"L={num_layers})")
+    return [schedules.make(args.schedule, args.recompute_num_layers, num_layers)]
 
 
 def _meta(args: argparse.Namespace, session: Session) -> dict:
@@ -124,14 +157,12 @@ def _meta(args: argparse.Namespace, session: Session) -> dict:
     return {k: v for k, v in meta.items() if v is not None}
 
 
-def _predict(args: argparse.Namespace, session: Session, sched):  # noqa: ANN001, ANN202
+def _predict(args: argparse.Namespace, session: Session, sched: schedules.Schedule):  # noqa: ANN202
     step, report, _ = session.prepare(sched, args.allocator)
     return step, report
 
 
 def _write(path: str, text: str) -> None:
-    from pathlib import Path
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text, encoding="utf-8")
     print(f"wrote {path}", file=sys.stderr)
@@ -139,8 +170,6 @@ def _write(path: str, text: str) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print the rewritten graphs, saved activations and recompute segments."""
-    from .inspection import describe_step, dump_step, load_dump, render
-
     sections = args.section or ["summary", "forward", "backward", "saved", "segments"]
     if args.graph:
         desc = load_dump(args.graph)
@@ -153,15 +182,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             path = dump_step(step, report, args.dump, sched.provenance, _meta(args, session))
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(render(desc, sections, args.only_layer))
-    return 0
+    return EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
-    from .inspection import measured_step_timeline
-    from .report import (fmt_bytes, mib, plot_timeline, report_json, report_markdown, reports_document,
-                         summary_markdown, write_report)
-
     session = load_session(args)
     todo = _schedules(args, session.stack.num_layers)
     if args.png and len(todo) != 1:
@@ -201,18 +226,12 @@ def cmd_report(args: argparse.Namespace) -> int:
             doc = reports_document(docs, _meta(args, session))
         write_report(args.json, doc)
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    return EXIT_OK
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """CI gate: exit 1 when a predicted peak exceeds --budget or regresses past --baseline."""
-    from .gate import parse_bytes, parse_fraction, run_gate
-    from .report import read_reports, report_json, reports_document, summary_markdown, write_report
-
-    budget = parse_bytes(args.budget) if args.budget is not None else None
-    limit = parse_fraction(args.max_regression)
-    baseline = read_reports(args.baseline) if args.baseline else None
-    if budget is None and baseline is None:
+    if args.budget is None and args.baseline is None:
         raise ValueError("nothing to check: give --budget SIZE and/or --baseline PATH")
     if args.report:
         docs = read_reports(args.report)
@@ -225,7 +244,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.json:
             write_report(args.json, reports_document(docs, _meta(args, session)))
             print(f"wrote {args.json}", file=sys.stderr)
-    result = run_gate(docs, budget_bytes=budget, baseline=baseline, max_regression_fraction=limit)
+    result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression)
     print(result.text())
     if args.markdown:
         verdict = "passed" if result.ok else "FAILED"
@@ -236,40 +255,51 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_model(args: argparse.Namespace) -> int:
     """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
-    from .symbolic import default_symbols, model_text, trace_symbolic
-
     model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
     print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s)",
           file=sys.stderr)
-    print(model_text(sm))
-    return 0
+    print(symbolic_model_text(sm))
+    return EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The optimized schedule under --budget (or the largest batch per schedule)."""
-    from .symbolic import max_batch_rows, parse_bytes, plan_command
-
     budget = parse_bytes(args.budget)
     if args.max_batch:
-        from .symbolic import default_symbols, trace_symbolic
-
         model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
         sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
         rows = max_batch_rows(sm, budget)
-        print(f"largest batch within {budget} bytes ({budget / 2**20:.2f} MiB), "
+        print(f"largest batch within {budget} bytes ({fmt_bytes(budget)}), "
               f"{', '.join(f'{k}={v}' for k, v in sm.hints.items() if k != 'batch')}:")
         print(text_table(
             ["schedule", "largest batch", "peak MiB", "peak at batch+1 MiB"],
-            [[r["schedule"], str(r["batch"]),
-              f"{r['peak_bytes'] / 2**20:.2f}" if r["peak_bytes"] is not None else "-",
-              f"{r['next_peak_bytes'] / 2**20:.2f}"] for r in rows],
+            [[r["schedule"], str(r["batch"]), mib(r["peak_bytes"]) if r["peak_bytes"] is not None else "-",
+              mib(r["next_peak_bytes"])] for r in rows],
         ))
         if args.json:
             write_json(args.json, {"budget_bytes": budget, "rows": rows})
-        return 0
-    return plan_command(load_session(args), budget, args.json)
+        return EXIT_OK
+    session = load_session(args)
+    t0 = time.perf_counter()
+    planner = Planner(session.joint, session.stack, session.report)
+    try:
+        plan = planner.plan(budget)
+    except InfeasibleBudget as e:
+        if args.json:
+            write_json(args.json, {
+                "budget_bytes": budget, "schedule": None, "error": str(e),
+                "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
+                "unconstrained_peak_bytes": planner.unconstrained_peak_bytes,
+            })
+        raise
+    result = session.evaluate(plan.schedule)
+    print(plan_text(plan, result, planner.calibrate_s, time.perf_counter() - t0))
+    if args.json:
+        write_json(args.json, plan_json(plan, result))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return EXIT_OK if result.grads_equal else EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (RematError, ValueError, ImportError, OSError) as e:
         print(f"remat-pass: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -15,67 +15,14 @@ nothing changed and names the culprits when something did.
 from __future__ import annotations
 
 import dataclasses
-import re
+from pathlib import Path
 from typing import Any, Sequence
 
-from .report import fmt_bytes
+from .formatting import fmt_bytes, parse_bytes, parse_fraction, signed_bytes
+from .report import read_reports, reports_document, write_report
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1000, "kib": 1024,
-    "m": 2**20, "mb": 10**6, "mib": 2**20,
-    "g": 2**30, "gb": 10**9, "gib": 2**30,
-    "t": 2**40, "tb": 10**12, "tib": 2**40,
-}
-
-
-def parse_bytes(text: str | int) -> int:
-    """A size such as ``2GiB``, ``512 MiB``, ``1.5GB``, ``300000`` as an int of bytes.
-
-    Binary units (KiB, MiB, GiB, TiB; K, M, G, T alone) are powers of 1024; decimal
-    units (KB, MB, GB, TB) powers of 1000; case is ignored.
-
-    Raises:
-        ValueError: not a non-negative number followed by one of those units.
-
-    Example:
-        >>> parse_bytes("2GiB"), parse_bytes("1.5 MB"), parse_bytes("4096")
-        (2147483648, 1500000, 4096)
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"size {text} is negative")
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(
-            f"size {text!r} is not a number of bytes with an optional unit: use e.g. 2GiB, "
-            "512MiB, 1.5GB or 300000 (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-        )
-    return int(round(float(m.group(1)) * _UNITS[unit]))
-
-
-def parse_fraction(text: str | float) -> float:
-    """``5%`` or ``0.05`` as 0.05.
-
-    Raises:
-        ValueError: not a non-negative number, with or without ``%``.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%?)\s*", str(text))
-        if not m:
-            raise ValueError(f"regression limit {text!r} is not a fraction: use e.g. 5% or 0.05")
-        value = float(m.group(1)) / (100 if m.group(2) else 1)
-    if value < 0:
-        raise ValueError(f"regression limit {text!r} is negative")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +88,6 @@ def _layer_key(layer: int | None) -> str:
     return "outer" if layer is None else str(layer)
 
 
-def _signed(n: int) -> str:
-    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
-
-
 def what_is_live(report: dict[str, Any], top: int = 8) -> list[str]:
     """Lines naming the bytes live at the peak by layer and the largest live tensors."""
     by_layer = ", ".join(f"{k}: {fmt_bytes(v)}" for k, v in report["live_at_peak_by_layer"].items())
@@ -183,7 +126,7 @@ def explain_growth(current: dict[str, Any], baseline: dict[str, Any], top: int =
     if changed:
         lines.append("live at the peak by layer (baseline -> now):")
         for k, old, new in sorted(changed, key=lambda c: -(c[2] - c[1])):
-            lines.append(f"  {'outer' if k == 'outer' else 'layer ' + k}: {fmt_bytes(old)} -> {fmt_bytes(new)} ({_signed(new - old)})")
+            lines.append(f"  {'outer' if k == 'outer' else 'layer ' + k}: {fmt_bytes(old)} -> {fmt_bytes(new)} ({signed_bytes(new - old)})")
     for field, title in (("live_at_peak", "tensors live at the peak"), ("saved", "saved activations")):
         old, new = _by_key(baseline[field]), _by_key(current[field])
         grew = sorted(
@@ -200,7 +143,7 @@ def explain_growth(current: dict[str, Any], baseline: dict[str, Any], top: int =
         lines.append(head + f"; {len(grew)} new or larger" + (f", {gone} no longer there" if gone else "") + ":")
         for (layer, name), was, now in grew[:top]:
             label = "new" if was is None else f"{fmt_bytes(was)} ->"
-            lines.append(f"  {name} (layer {layer}): {label} {fmt_bytes(now)} ({_signed(now - (was or 0))})")
+            lines.append(f"  {name} (layer {layer}): {label} {fmt_bytes(now)} ({signed_bytes(now - (was or 0))})")
         if len(grew) > top:
             lines.append(f"  ... and {len(grew) - top} more")
     return lines
@@ -286,3 +229,48 @@ def run_gate(
             else:
                 findings.append(check_regression(r, base_by_name[name], max_regression_fraction, top))
     return GateResult(tuple(findings))
+
+
+def gate(
+    reports: Sequence[dict[str, Any]],
+    *,
+    budget: str | int | None = None,
+    baseline: str | Path | None = None,
+    max_regression: str | float = "0%",
+    update_baseline: bool = False,
+) -> GateResult:
+    """The gate as the CLI (``remat-pass check``) and the pytest plugin call it: parse the
+    budget and regression limit, read (or, with ``update_baseline``, write) the baseline
+    file, and ``run_gate``.
+
+    Args:
+        reports: ``report_json`` dicts, one per schedule.
+        budget: largest allowed predicted peak: bytes or a size such as ``"2GiB"``.
+        baseline: path of a baseline report file (``remat-pass report --json``).
+        max_regression: allowed growth over the baseline peak (``"5%"`` or ``0.05``).
+        update_baseline: write ``reports`` into the baseline file (replacing the rows of
+            the same schedules) instead of comparing; the result then has only the
+            budget findings.
+
+    Returns:
+        The GateResult (no findings when there is nothing to check after an update).
+
+    Raises:
+        ValueError: a malformed budget or limit, an unreadable or invalid baseline file,
+            or neither a budget nor a baseline.
+    """
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    limit = parse_fraction(max_regression)
+    base_docs = None
+    if baseline is not None and update_baseline:
+        path = Path(baseline)
+        names = {r["schedule"]["provenance"] for r in reports}
+        kept = [d for d in (read_reports(path) if path.exists() else []) if d["schedule"]["provenance"] not in names]
+        write_report(path, reports_document([*kept, *reports]))
+    elif baseline is not None:
+        base_docs = read_reports(baseline)
+    if budget_bytes is None and base_docs is None:
+        if update_baseline:
+            return GateResult(())
+        raise ValueError("nothing to check: give a budget (--budget 2GiB) and/or a baseline (--baseline report.json)")
+    return run_gate(reports, budget_bytes=budget_bytes, baseline=base_docs, max_regression_fraction=limit)

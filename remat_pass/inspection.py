@@ -6,16 +6,15 @@ Three readers use this module:
 - ``remat-pass inspect --graph PATH``: read a file written by ``dump_step`` (the
   torch.compile backend writes one per compiled graph) and print the same tables, so a
   user can see what the pass did inside their own training job.
-- ``report.plot_timeline``: live bytes per step split by layer (``storage_intervals``).
+- ``plot.plot_timeline``: live bytes per step split by layer (``live_bytes_by_layer``).
 
 Everything printed comes from ``describe_step(step, report)``, a JSON-ready dict; a dump
 file is that dict, so a table read back from disk is the table printed live, byte for
 byte.
 
-Storage accounting is ``liveness.analyze``'s, step for step: the intervals come from
-``liveness.live_intervals`` and the modelled scratch bytes from
-``costs.transient_bytes`` (``tests/test_inspection.py`` checks that summing them gives
-``MemoryReport.timeline`` exactly). A step is a call_function node of the forward
+Storage accounting is ``liveness.analyze``'s, step for step: the intervals, sizes and
+scratch come from ``liveness.live_intervals`` and the sums from ``liveness.live_timeline``
+(``tests/test_inspection.py`` checks that they give ``MemoryReport.timeline`` exactly). A step is a call_function node of the forward
 graph, then of the backward graph; a storage is live from the step that allocates it
 to the last use of any alias, inclusive. "freed here" lists the storages whose last
 step is this one (they are dropped right after it).
@@ -23,8 +22,6 @@ step is this one (they are dropped right after it).
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -33,8 +30,19 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .costs import node_flops, storage_nbytes, transient_bytes
-from .liveness import ALLOCATORS, CUDA_BLOCK_BYTES, Intervals, MemoryReport, live_intervals
+from .costs import node_flops
+from .formatting import fmt_bytes, natural_key, text_table
+from .liveness import (
+    ALLOCATORS,
+    Intervals,
+    MemoryReport,
+    Storage,
+    live_intervals,
+    live_timeline,
+    scratch_bytes,
+    storage_bytes,
+)
+from .report import report_json
 from .rewrite import RewrittenStep
 
 DUMP_FORMAT = "remat-pass-graph"
@@ -45,49 +53,14 @@ DUMP_SUFFIX = ".remat.json"
 # --------------------------------------------------------------------------- intervals
 
 
-@dataclasses.dataclass(frozen=True)
-class StorageInterval:
-    """One activation storage and the steps it is live for.
-
-    Attributes:
-        name: the node that allocated it (forward or backward graph name).
-        layer: that node's layer (None: outer).
-        kind: "forward", "saved", "output", "recompute", "backward" or "gradient"
-            (as ``liveness.LiveTensor.kind``), or "scratch": memory an op allocates
-            and frees inside itself (``costs.transient_bytes``).
-        nbytes: bytes (allocator rounding applied).
-        first_step, last_step: global step indices (forward steps, then backward
-            steps), inclusive.
-    """
-
-    name: str
-    layer: int | None
-    kind: str
-    nbytes: int
-    first_step: int
-    last_step: int
-
-
-def _intervals(step: RewrittenStep, allocator: str) -> tuple[Intervals, list[int]]:
-    """``liveness.live_intervals`` sized as ``analyze`` sizes them, and the scratch bytes
-    of every step (``costs.transient_bytes``, CPU only)."""
+def _intervals(step: RewrittenStep, allocator: str) -> Intervals:
+    """``liveness.live_intervals`` sized and with scratch exactly as ``analyze`` does."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
-
-    def size(val: torch.Tensor) -> int:
-        nbytes = storage_nbytes(val)
-        try:
-            nbytes = int(nbytes)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"storage size {nbytes} is symbolic; inspection needs concrete shapes") from e
-        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if allocator == "cuda" and nbytes > 0 else nbytes
-
-    iv = live_intervals(step, size)
-    scratch = [transient_bytes(n) if allocator == "cpu" else 0 for n in iv.fw_steps + iv.bw_steps]
-    return iv, scratch
+    return live_intervals(step, lambda v: storage_bytes(v, allocator), lambda n: scratch_bytes(n, allocator))
 
 
-def storage_intervals(step: RewrittenStep, allocator: str = "cpu") -> list[StorageInterval]:
+def storage_intervals(step: RewrittenStep, allocator: str = "cpu") -> list[Storage]:
     """Every activation storage of ``step`` with its live steps (``liveness.analyze``'s model).
 
     Args:
@@ -95,24 +68,15 @@ def storage_intervals(step: RewrittenStep, allocator: str = "cpu") -> list[Stora
         allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes).
 
     Returns:
-        Intervals in allocation order, then one interval of kind ``"scratch"`` per step
-        with modelled scratch memory (live during that step only); static storages
-        (primals, tangents) and empty ones are left out. Summing ``nbytes`` over the
-        intervals that hold step ``i`` gives ``analyze(step, allocator).timeline[i]``.
+        ``liveness.Storage`` values in allocation order, then one of kind ``"scratch"``
+        per step with modelled scratch memory (live during that step only); static
+        storages (primals, tangents) and empty ones are left out. Summing ``nbytes``
+        over those that hold step ``i`` gives ``analyze(step, allocator).timeline[i]``.
 
     Raises:
         ValueError: unknown allocator, or a symbolic (non-integer) storage size.
     """
-    iv, scratch = _intervals(step, allocator)
-    out = [
-        StorageInterval(s.name, s.layer, s.kind, s.nbytes, s.first, s.last)
-        for s in iv.storages
-        if not s.static and s.nbytes
-    ]
-    for i, (n, b) in enumerate(zip(iv.fw_steps + iv.bw_steps, scratch)):
-        if b:
-            out.append(StorageInterval(n.name, step.layer_of.get(n.name), "scratch", b, i, i))
-    return out
+    return [s for s in _intervals(step, allocator).storages if not s.static and s.nbytes]
 
 
 def live_bytes_by_layer(
@@ -122,26 +86,14 @@ def live_bytes_by_layer(
 
     Returns:
         ``(labels, rows)``: labels ``["outer", "layer 0", ..]`` (only those that hold
-        bytes), and ``rows[j][i]`` = bytes of label j live at step i. The column sums
-        equal ``MemoryReport.timeline[i].live_bytes``.
+        bytes), and ``rows[j][i]`` = bytes of label j live at step i (``liveness.
+        live_timeline`` of that layer's storages). The column sums equal
+        ``MemoryReport.timeline[i].live_bytes``.
     """
-    intervals = storage_intervals(step, allocator)
-    nsteps = sum(1 for g in (step.forward, step.backward) for n in g.graph.nodes
-                 if n.op not in ("placeholder", "output"))
-    layers = sorted({iv.layer for iv in intervals}, key=lambda x: (x is not None, x if x is not None else -1))
-    index = {layer: j for j, layer in enumerate(layers)}
-    deltas = [[0] * (nsteps + 1) for _ in layers]
-    for iv in intervals:
-        d = deltas[index[iv.layer]]
-        d[iv.first_step] += iv.nbytes
-        d[iv.last_step + 1] -= iv.nbytes
-    rows = []
-    for d in deltas:
-        live, row = 0, []
-        for i in range(nsteps):
-            live += d[i]
-            row.append(live)
-        rows.append(row)
+    iv = _intervals(step, allocator)
+    layers = sorted({s.layer for s in iv.storages if not s.static and s.nbytes},
+                    key=lambda x: (x is not None, x if x is not None else -1))
+    rows = [live_timeline(iv, select=lambda s, layer=layer: s.layer == layer) for layer in layers]
     labels = ["outer" if layer is None else f"layer {layer}" for layer in layers]
     return labels, rows
 
@@ -193,24 +145,38 @@ def describe_step(
         value that backward reads), ``freed`` (storages dropped right after this step),
         ``freed_bytes``, ``live_bytes`` (the timeline), ``flops``.
     """
-    from .report import report_json
+    iv = _intervals(step, report.allocator)
+    nodes = _node_rows(step, report, iv)
+    return {
+        "format": DUMP_FORMAT,
+        "format_version": DUMP_FORMAT_VERSION,
+        "meta": dict(meta or {}),
+        "report": report_json(report, step),
+        "nodes": nodes,
+        "saved": _saved_rows(step, iv),
+        "segments": _segment_rows(step, nodes),
+        "code": {"forward": step.forward.code, "backward": step.backward.code},
+    }
 
-    iv, scratch = _intervals(step, report.allocator)
-    steps = iv.fw_steps + iv.bw_steps
-    n_fw = len(iv.fw_steps)
+
+def _node_rows(step: RewrittenStep, report: MemoryReport, iv: Intervals) -> list[dict[str, Any]]:
+    """One row per step (see ``describe_step``)."""
     alloc_at: dict[int, int] = {}
-    freed_at: dict[int, list[Any]] = {}
+    freed_at: dict[int, list[Storage]] = {}
+    scratch = [0] * len(iv.steps)
     for st in iv.storages:
-        if not st.static and st.nbytes:
+        if st.kind == "scratch":
+            scratch[st.first] += st.nbytes
+        elif not st.static and st.nbytes:
             alloc_at[st.first] = alloc_at.get(st.first, 0) + st.nbytes
             freed_at.setdefault(st.last, []).append(st)
     saved_names = set(step.saved)
-    nodes = []
-    for i, n in enumerate(steps):
-        graph = "forward" if i < n_fw else "backward"
+    rows = []
+    for i, n in enumerate(iv.steps):
+        graph = "forward" if i < len(iv.fw_steps) else "backward"
         shape, dtype = _shape_dtype(n.meta.get("val"))
-        freed = sorted(freed_at.get(i, ()), key=lambda st: (-st.nbytes, st.name))
-        nodes.append({
+        freed = sorted(freed_at.get(i, ()), key=lambda st: (-st.nbytes, natural_key(st.name)))
+        rows.append({
             "step": i,
             "graph": graph,
             "name": n.name,
@@ -227,13 +193,29 @@ def describe_step(
             "live_bytes": report.timeline[i].live_bytes if i < len(report.timeline) else None,
             "flops": node_flops(n),
         })
+    return rows
 
+
+def _why_saved(step: RewrittenStep, name: str) -> str:
+    """The reason ``name`` is saved, from the Partition (RNG states are added by the
+    rewrite, one per replayed random op)."""
+    if name.endswith("_rng_state"):
+        return f"RNG state replayed by the recompute of {name[: -len('_rng_state')]}"
+    saved = step.partition.reason_of(name)
+    if saved is not None and saved.reason == "read outside its group":
+        return "group output: " + saved.detail
+    if saved is not None and saved.reason == "checkpoint":
+        seg = next(s for s in step.segments if name in s.checkpoints)
+        return f"checkpoint of group {seg.group} (layers {_layers_text(seg.layers)})"
+    if saved is not None and saved.reason in ("stored layer", "outer"):
+        return "read by backward (stored, not recomputed)"
+    return saved.reason + (f": {saved.detail}" if saved and saved.detail else "") if saved else "saved"
+
+
+def _saved_rows(step: RewrittenStep, iv: Intervals) -> list[dict[str, Any]]:
+    """One row per saved value, in the order forward returns them."""
     fw_by_name = {n.name: n for n in step.forward.graph.nodes}
-    checkpoint_of: dict[str, int] = {}
-    for order, seg in enumerate(step.segments):
-        for c in seg.checkpoints:
-            checkpoint_of.setdefault(c, order)
-    saved = []
+    rows = []
     seen_storage: dict[int, str] = {}
     for name, sid in zip(step.saved, iv.saved_sids):
         n = fw_by_name.get(name)
@@ -243,16 +225,7 @@ def describe_step(
         alias = seen_storage.get(sid) if isinstance(sid, int) else None
         if isinstance(sid, int) and alias is None:
             seen_storage[sid] = name
-        if name.endswith("_rng_state"):
-            why = f"RNG state replayed by the recompute of {name[: -len('_rng_state')]}"
-        elif name in step.forced_saves:
-            why = "group output: " + step.forced_saves[name]
-        elif name in checkpoint_of:
-            seg = step.segments[checkpoint_of[name]]
-            why = f"checkpoint of group {seg.group} (layers {_layers_text(seg.layers)})"
-        else:
-            why = "read by backward (stored, not recomputed)"
-        saved.append({
+        rows.append({
             "name": name,
             "layer": step.layer_of.get(name),
             "shape": shape,
@@ -260,37 +233,32 @@ def describe_step(
             "bytes": 0 if alias is not None else nbytes,
             "alias_of": alias,
             "static": st is not None and st.static,
-            "why": why,
+            "why": _why_saved(step, name),
         })
+    return rows
 
-    bw_recompute = [row for row in nodes if row["kind"] == "recompute"]
-    segments = []
+
+def _segment_rows(step: RewrittenStep, nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per recompute segment, in run order, with what it allocates and costs."""
+    recomputed = [row for row in nodes if row["kind"] == "recompute"]
+    rows = []
     pos = 0
     for order, seg in enumerate(step.segments):
-        rows = bw_recompute[pos: pos + len(seg.nodes)]
+        mine = recomputed[pos: pos + len(seg.nodes)]
         pos += len(seg.nodes)
-        segments.append({
+        rows.append({
             "order": order,
             "group": seg.group,
             "layers": list(seg.layers),
             "num_nodes": len(seg.nodes),
-            "first_step": rows[0]["step"] if rows else None,
+            "first_step": mine[0]["step"] if mine else None,
             "insert_before": seg.insert_before,
             "checkpoints": list(seg.checkpoints),
             "rng_replayed": list(seg.rng_replayed),
-            "recompute_bytes": sum(r["alloc_bytes"] for r in rows),
-            "recompute_flops": sum(r["flops"] for r in rows),
+            "recompute_bytes": sum(r["alloc_bytes"] for r in mine),
+            "recompute_flops": sum(r["flops"] for r in mine),
         })
-    return {
-        "format": DUMP_FORMAT,
-        "format_version": DUMP_FORMAT_VERSION,
-        "meta": dict(meta or {}),
-        "report": report_json(report, step),
-        "nodes": nodes,
-        "saved": saved,
-        "segments": segments,
-        "code": {"forward": step.forward.code, "backward": step.backward.code},
-    }
+    return rows
 
 
 def _layers_text(layers: Sequence[int]) -> str:
@@ -356,15 +324,7 @@ def load_dump(path: str | Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- rendering
 
 
-def _mib(nbytes: int | None) -> str:
-    from .report import fmt_bytes
-
-    return fmt_bytes(nbytes)
-
-
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> str:
-    from .report import text_table
-
     return text_table(header, [[("" if c is None else str(c)) for c in r] for r in rows], align)
 
 
@@ -398,11 +358,11 @@ def node_table(desc: dict[str, Any], graph: str = "both", layer: str | None = No
         more = len(r["freed"]) - len(freed)
         freed_text = ", ".join(freed) + (f" +{more} more" if more > 0 else "")
         if r["freed"]:
-            freed_text += f" ({_mib(r['freed_bytes'])})"
+            freed_text += f" ({fmt_bytes(r['freed_bytes'])})"
         rows.append([
             r["step"], r["name"], r["op"], "outer" if r["layer"] is None else r["layer"],
-            r["kind"], r["shape"], r["dtype"], _mib(r["alloc_bytes"]) if r["alloc_bytes"] else "",
-            mark, _mib(r["live_bytes"]), freed_text,
+            r["kind"], r["shape"], r["dtype"], fmt_bytes(r["alloc_bytes"]) if r["alloc_bytes"] else "",
+            mark, fmt_bytes(r["live_bytes"]), freed_text,
         ])
     return _table(NODE_COLUMNS, rows, "rllrlllrlrl")
 
@@ -414,10 +374,10 @@ def saved_table(desc: dict[str, Any]) -> str:
     """The saved activations (forward outputs that backward reads), in forward order."""
     rows = []
     for s in desc["saved"]:
-        size = f"alias of {s['alias_of']}" if s["alias_of"] else ("static" if s["static"] else _mib(s["bytes"]))
+        size = f"alias of {s['alias_of']}" if s["alias_of"] else ("static" if s["static"] else fmt_bytes(s["bytes"]))
         rows.append([s["name"], "outer" if s["layer"] is None else s["layer"], s["shape"], s["dtype"], size, s["why"]])
     total = sum(s["bytes"] for s in desc["saved"] if not s["static"])
-    return _table(SAVED_COLUMNS, rows, "lrllrl") + f"\n{len(rows)} saved values, {_mib(total)}"
+    return _table(SAVED_COLUMNS, rows, "lrllrl") + f"\n{len(rows)} saved values, {fmt_bytes(total)}"
 
 
 SEGMENT_COLUMNS = ("run", "group", "layers", "nodes", "at step", "before node", "allocates",
@@ -430,7 +390,7 @@ def segments_table(desc: dict[str, Any]) -> str:
         return "no recompute segments (nothing is recomputed)"
     rows = [
         [s["order"], s["group"], _layers_text(s["layers"]), s["num_nodes"], s["first_step"],
-         s["insert_before"], _mib(s["recompute_bytes"]), f"{s['recompute_flops'] / 1e9:.3f}",
+         s["insert_before"], fmt_bytes(s["recompute_bytes"]), f"{s['recompute_flops'] / 1e9:.3f}",
          ", ".join(s["checkpoints"]), len(s["rng_replayed"])]
         for s in desc["segments"]
     ]
@@ -448,9 +408,9 @@ def summary(desc: dict[str, Any]) -> str:
     lines = [
         f"schedule: {rep['schedule']['provenance']}" + (f" ({rep['schedule']['description']})" if rep["schedule"].get("description") else ""),
         f"graphs: forward {fw} steps, backward {bw} steps ({rc} recomputed)",
-        f"predicted peak: {_mib(rep['peak_bytes'])} of activations ({rep['peak_bytes']:,} bytes) at step "
-        f"{peak['step']} ({where}, node {peak['node']}); static {_mib(rep['static_bytes'])} ({rep['allocator']} allocator)",
-        f"saved activations: {_mib(rep['saved_activation_bytes'])}; "
+        f"predicted peak: {fmt_bytes(rep['peak_bytes'])} of activations ({rep['peak_bytes']:,} bytes) at step "
+        f"{peak['step']} ({where}, node {peak['node']}); static {fmt_bytes(rep['static_bytes'])} ({rep['allocator']} allocator)",
+        f"saved activations: {fmt_bytes(rep['saved_activation_bytes'])}; "
         f"recompute {100 * rep['recompute_fraction']:.1f} % of forward FLOPs",
     ]
     for k, v in sorted(desc.get("meta", {}).items()):
@@ -493,109 +453,3 @@ def render(desc: dict[str, Any], sections: Sequence[str] = ("summary", "forward"
             out.append("== forward code ==\n" + desc["code"]["forward"].strip()
                        + "\n\n== backward code ==\n" + desc["code"]["backward"].strip())
     return "\n\n".join(out) + "\n"
-
-
-# --------------------------------------------------------------------------- measured, per step
-
-
-class _MarkedGraph:
-    """A graph whose call_function nodes run inside ``record_function(label)``; duck-types
-    the GraphModule that ``measure.run_graph`` needs (``.graph`` and attributes)."""
-
-    def __init__(self, gm: fx.GraphModule, first: int):
-        self._gm = gm
-        self.graph = fx.Graph()
-        out = self.graph.graph_copy(gm.graph, {})
-        self.graph.output(out)
-        self.labels: list[str] = []  # one per step; get_attr steps run no op
-        for new in self.graph.nodes:
-            if new.op in ("placeholder", "output"):
-                continue
-            label = f"remat::{first + len(self.labels)}"
-            self.labels.append(label)
-            if new.op == "call_function":
-                new.target = _marked(new.target, label)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gm, name)
-
-
-def _marked(target: Any, label: str) -> Any:
-    from torch.profiler import record_function
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with record_function(label):
-            return target(*args, **kwargs)
-
-    return run
-
-
-def measured_step_timeline(step: RewrittenStep, joint: Any, seed: int = 0) -> tuple[int, ...]:
-    """Measured live bytes at every step of ``step``, aligned with ``MemoryReport.timeline``.
-
-    Runs the step as ``measure.measure_step`` does on CPU (one warm-up, then one run under
-    ``torch.profiler.profile(profile_memory=True)``), with every node's call wrapped in
-    ``record_function("remat::<i>")``. The allocator events are ordered by time and
-    summed; step i's value is the largest running sum between the start and the end of
-    node i (its inputs and its outputs coexist there, as the liveness model counts), or
-    the running sum when it starts if the node allocates nothing. Frees of values after
-    their last use happen between nodes, outside every window, as in the model.
-
-    Differences from the prediction are real: scratch memory an op allocates and frees
-    inside itself raises the measured value of that step only.
-
-    Args:
-        step: the rewritten step; joint: its JointGraph (primal and tangent values).
-        seed: RNG seed for both runs (dropout masks).
-
-    Returns:
-        One int per step (forward steps, then backward steps), bytes above the start.
-
-    Raises:
-        ValueError: the step runs on CUDA (use ``measure.measure_step``'s peak there).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    from .measure import run_step
-
-    device = joint.primal_values[0].device.type if joint.primal_values else "cpu"
-    if device != "cpu":
-        raise ValueError(f"measured_step_timeline runs on CPU only; this step runs on {device}")
-    fw = _MarkedGraph(step.forward, 0)
-    bw = _MarkedGraph(step.backward, len(fw.labels))
-    marked = dataclasses.replace(step, forward=fw, backward=bw)
-
-    def once() -> None:
-        torch.manual_seed(seed)
-        run_step(marked, joint)
-
-    once()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        once()
-    windows: dict[str, tuple[int, int]] = {}
-    memory: list[tuple[int, int]] = []
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name == "[memory]":
-            memory.append((e.start_ns(), e.nbytes()))
-        elif name.startswith("remat::"):
-            windows[name] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    memory.sort(key=lambda m: m[0])
-    times = [t for t, _ in memory]
-    running = []
-    total = 0
-    for _, nbytes in memory:
-        total += nbytes
-        running.append(total)
-    out: list[int] = []
-    for label in fw.labels + bw.labels:
-        if label not in windows:  # a get_attr step: no op runs, nothing is allocated
-            out.append(out[-1] if out else 0)
-            continue
-        start, stop = windows[label]
-        i0 = bisect.bisect_left(times, start)
-        i1 = bisect.bisect_right(times, stop)
-        before = running[i0 - 1] if i0 > 0 else 0
-        out.append(max([before, *running[i0:i1]]))
-    return tuple(out)
-

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from .costs import node_flops, same_storage, storage_nbytes, tensor_val, transient_bytes
 from .rewrite import RewrittenStep
+from .schedule import recompute_fraction
 
 ALLOCATORS = ("cpu", "cuda")
 CUDA_BLOCK_BYTES = 512
@@ -108,18 +109,25 @@ class MemoryReport:
     @property
     def recompute_fraction(self) -> float:
         """Recompute FLOPs as a fraction of forward FLOPs (0 when forward has none)."""
-        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
-
-    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; the per-step timeline only when ``timeline``."""
-        d = dataclasses.asdict(self)
-        if not timeline:
-            d.pop("timeline")
-        return d
+        return recompute_fraction(self.recompute_flops, self.forward_flops)
 
 
 @dataclasses.dataclass
-class _Storage:
+class Storage:
+    """One storage of a rewritten step and the steps it is live at.
+
+    Attributes:
+        nbytes: what the ``size_of`` function of ``live_intervals`` returned (bytes: an
+            int, or a symbolic size), or the op's scratch for kind ``"scratch"``.
+        first, last: the steps it is live at, inclusive (``-1`` for static storages).
+        name: the node that allocated it (forward or backward graph name).
+        layer: that node's layer (None: outer).
+        kind: "forward", "saved", "output", "recompute", "backward", "gradient",
+            "static" (primals, tangents, graph constants) or "scratch" (memory an op
+            allocates and frees inside itself, live during that op only).
+        static: it exists before the step (not activation memory).
+    """
+
     nbytes: Any
     first: int
     last: int
@@ -129,10 +137,34 @@ class _Storage:
     static: bool
 
 
-def _round(nbytes: int, allocator: str) -> int:
+def storage_bytes(val: torch.Tensor, allocator: str = "cpu") -> int:
+    """Bytes ``allocator`` gives the storage of ``val``: exact on CPU, rounded up to a
+    multiple of 512 on CUDA (the caching allocator's ``kMinBlockSize``).
+
+    Raises:
+        ValueError: unknown allocator, or a symbolic (non-integer) size; use the
+            symbolic model for dynamic shapes.
+    """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
+    nbytes = storage_nbytes(val)
+    if not isinstance(nbytes, int):
+        try:
+            nbytes = int(nbytes)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
+                "shapes (use the symbolic model)"
+            ) from e
     if allocator == "cuda" and nbytes > 0:
         return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
     return nbytes
+
+
+def scratch_bytes(node: fx.Node, allocator: str = "cpu") -> Any:
+    """Scratch bytes of ``node`` under ``allocator`` (``costs.transient_bytes`` on CPU;
+    0 on CUDA, where no op scratch is modelled)."""
+    return transient_bytes(node) if allocator == "cpu" else 0
 
 
 @dataclasses.dataclass
@@ -140,67 +172,120 @@ class Intervals:
     """The storages of a rewritten step and the steps they are live at.
 
     Attributes:
-        storages: every storage (static ones with ``first == -1``); ``nbytes`` is what
-            the ``size_of`` function of ``live_intervals`` returned (bytes: an int, or a
-            sympy expression for symbolic shapes); live at steps ``first..last``.
+        storages: every storage (static ones with ``first == -1``), then one of kind
+            ``"scratch"`` per step with modelled op scratch.
         fw_steps, bw_steps: the nodes run as steps, forward then backward; step ``i``
             is ``(fw_steps + bw_steps)[i]``.
         saved_sids: index into ``storages`` of each saved value (None: not a tensor).
     """
 
-    storages: list[_Storage]
+    storages: list[Storage]
     fw_steps: list[fx.Node]
     bw_steps: list[fx.Node]
     saved_sids: list[Any]
 
+    @property
+    def steps(self) -> list[fx.Node]:
+        """Forward steps, then backward steps."""
+        return self.fw_steps + self.bw_steps
 
-def live_intervals(step: RewrittenStep, size_of: Any) -> Intervals:
+
+def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None, zero: Any = 0) -> list[Any]:
+    """Activation bytes live at every step: the one sweep every view of liveness uses.
+
+    Args:
+        iv: ``live_intervals`` output.
+        select: count only the storages it accepts (e.g. one layer's); default: all.
+        zero: the additive zero of the sizes (``0``, or ``solvers.poly.Poly()`` for
+            polynomial sizes); sizes need only ``+`` and ``-``.
+
+    Returns:
+        One value per step (forward steps then backward steps): the sum of the sizes of
+        the non-static storages live there, scratch included.
+    """
+    n = len(iv.fw_steps) + len(iv.bw_steps)
+    delta = [zero] * (n + 1)
+    for s in iv.storages:
+        if s.static or not s.nbytes or (select is not None and not select(s)):
+            continue
+        delta[s.first] = delta[s.first] + s.nbytes
+        delta[s.last + 1] = delta[s.last + 1] - s.nbytes
+    live, out = zero, []
+    for i in range(n):
+        live = live + delta[i]
+        out.append(live)
+    return out
+
+
+def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
+                   scratch_of: Callable[[fx.Node], Any] | None = None) -> Intervals:
     """Storages of ``step`` with their live intervals (the memory model above).
 
     Args:
         step: the rewritten step.
         size_of: ``size_of(fake tensor) -> bytes`` of its storage; the interval
-            computation never looks at sizes, so they may be sympy expressions.
+            computation never looks at sizes, so they may be symbolic (polynomials).
+        scratch_of: ``scratch_of(node) -> bytes`` an op allocates and frees inside
+            itself (in the units of ``size_of``); None: no scratch.
 
     Returns:
         The Intervals. The steps and intervals depend only on the graphs, not on sizes.
     """
-    storages: list[_Storage] = []
-    fw_nodes = list(step.forward.graph.nodes)
-    bw_nodes = list(step.backward.graph.nodes)
-    fw_steps = [n for n in fw_nodes if n.op not in ("placeholder", "output")]
-    bw_steps = [n for n in bw_nodes if n.op not in ("placeholder", "output")]
-    step_of: dict[fx.Node, int] = {}
-    for i, n in enumerate(fw_steps + bw_steps):
-        step_of[n] = i
-    end = len(fw_steps) + len(bw_steps) - 1
-    fw_end = len(fw_steps) - 1
-    saved_set = set(step.saved)
+    builder = _IntervalBuilder(step, size_of)
+    saved_sids = builder.forward()
+    builder.backward(saved_sids)
+    steps = builder.fw_steps + builder.bw_steps
+    if scratch_of is not None:
+        for i, n in enumerate(steps):
+            scratch = scratch_of(n)
+            if scratch:
+                builder.storages.append(
+                    Storage(scratch, i, i, n.name, step.layer_of.get(n.name), "scratch", False))
+    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids)
 
-    def new_storage(val: torch.Tensor, node: fx.Node, static: bool, kind: str) -> int:
-        first = -1 if static else step_of[node]
-        storages.append(
-            _Storage(size_of(val), first, first, node.name, step.layer_of.get(node.name), kind, static)
-        )
-        return len(storages) - 1
 
-    def touch(sid: int, at: int) -> None:
-        if storages[sid].last < at:
-            storages[sid].last = at
+class _IntervalBuilder:
+    """One pass over the forward then the backward graph, creating storages and
+    extending their intervals to each alias's last use (see ``live_intervals``)."""
 
-    def last_use(node: fx.Node, graph_end: int) -> int:
-        uses = [step_of[u] for u in node.users if u.op != "output"]
+    def __init__(self, step: RewrittenStep, size_of: Callable[[torch.Tensor], Any]):
+        self.step, self.size_of = step, size_of
+        self.storages: list[Storage] = []
+        self.fw_nodes = list(step.forward.graph.nodes)
+        self.bw_nodes = list(step.backward.graph.nodes)
+        self.fw_steps = [n for n in self.fw_nodes if n.op not in ("placeholder", "output")]
+        self.bw_steps = [n for n in self.bw_nodes if n.op not in ("placeholder", "output")]
+        self.step_of = {n: i for i, n in enumerate(self.fw_steps + self.bw_steps)}
+        self.end = len(self.fw_steps) + len(self.bw_steps) - 1
+        # storage ids per node: an int for a tensor, a list for a tuple, None otherwise
+        self.sid_of: dict[fx.Node, Any] = {}
+        self.primal_sid: dict[str, int] = {}
+
+    def new_storage(self, val: torch.Tensor, node: fx.Node, static: bool, kind: str) -> int:
+        first = -1 if static else self.step_of[node]
+        self.storages.append(
+            Storage(self.size_of(val), first, first, node.name, self.step.layer_of.get(node.name), kind, static))
+        return len(self.storages) - 1
+
+    def touch(self, sids: Any, at: int) -> None:
+        """Extend the storage(s) ``sids`` (an id or a nested list of ids) to step ``at``."""
+        if isinstance(sids, int):
+            if self.storages[sids].last < at:
+                self.storages[sids].last = at
+        elif isinstance(sids, list):
+            for e in sids:
+                self.touch(e, at)
+
+    def last_use(self, node: fx.Node, graph_end: int) -> int:
+        uses = [self.step_of[u] for u in node.users if u.op != "output"]
         if any(u.op == "output" for u in node.users):
             uses.append(graph_end)
-        return max(uses) if uses else step_of.get(node, -1)
+        return max(uses) if uses else self.step_of.get(node, -1)
 
-    # storage ids per node: an int for a tensor, a list for a tuple, None otherwise
-    sid_of: dict[fx.Node, Any] = {}
-    primal_sid: dict[str, int] = {}
-
-    def alias_of(val: torch.Tensor, node: fx.Node) -> int | None:
+    def alias_of(self, val: torch.Tensor, node: fx.Node) -> int | None:
+        """The storage id of an input of ``node`` that ``val`` is a view of, if any."""
         for a in node.all_input_nodes:
-            s = sid_of.get(a)
+            s = self.sid_of.get(a)
             av = a.meta.get("val")
             if isinstance(s, int) and isinstance(av, torch.Tensor) and same_storage(val, av):
                 return s
@@ -210,80 +295,70 @@ def live_intervals(step: RewrittenStep, size_of: Any) -> Intervals:
                         return si
         return None
 
-    def touch_tree(sids: Any, at: int) -> None:
-        if isinstance(sids, int):
-            touch(sids, at)
-        elif isinstance(sids, list):
-            for e in sids:
-                touch_tree(e, at)
-
-    def alloc_tree(val: Any, node: fx.Node, kind: str) -> Any:
+    def alloc(self, val: Any, node: fx.Node, kind: str) -> Any:
         if isinstance(val, torch.Tensor):
-            s = alias_of(val, node)
-            return new_storage(val, node, False, kind) if s is None else s
+            s = self.alias_of(val, node)
+            return self.new_storage(val, node, False, kind) if s is None else s
         if isinstance(val, (tuple, list)):
-            return [alloc_tree(e, node, kind) for e in val]
+            return [self.alloc(e, node, kind) for e in val]
         return None
 
-    def visit(node: fx.Node, graph_end: int, kind: str) -> None:
+    def visit(self, node: fx.Node, graph_end: int, kind: str) -> None:
         parent = node.args[0] if node.args else None
         if node.op == "get_attr":  # a constant of the graph module: exists before the step
             val = tensor_val(node)
-            sid_of[node] = None if val is None else new_storage(val, node, True, "static")
-        elif node.target is operator.getitem and isinstance(sid_of.get(parent), list):
-            sid_of[node] = sid_of[parent][node.args[1]]
+            self.sid_of[node] = None if val is None else self.new_storage(val, node, True, "static")
+        elif node.target is operator.getitem and isinstance(self.sid_of.get(parent), list):
+            self.sid_of[node] = self.sid_of[parent][node.args[1]]
         else:
             # a tuple result holds its elements until its last getitem
-            sid_of[node] = alloc_tree(node.meta.get("val"), node, kind)
-        touch_tree(sid_of[node], last_use(node, graph_end))
+            self.sid_of[node] = self.alloc(node.meta.get("val"), node, kind)
+        self.touch(self.sid_of[node], self.last_use(node, graph_end))
 
-    # forward
-    for n in fw_nodes:
-        if n.op == "placeholder":
-            val = tensor_val(n)
-            if val is not None:
-                sid_of[n] = primal_sid[n.name] = new_storage(val, n, True, "static")
-        elif n.op != "output":
-            visit(n, fw_end, "forward")
-    fw_output = fw_nodes[-1]
-    fw_outs = list(fw_output.args[0])
-    for out in fw_outs[: step.num_fwd_outputs]:  # the loss lives until the step ends
-        if isinstance(out, fx.Node) and isinstance(sid_of.get(out), int):
-            touch(sid_of[out], end)
-            if not storages[sid_of[out]].static:
-                storages[sid_of[out]].kind = "output"
-    saved_sids = []
-    for out in fw_outs[step.num_fwd_outputs :]:
-        s = sid_of.get(out)
-        saved_sids.append(s)
-        if isinstance(s, int) and not storages[s].static:
-            storages[s].kind = "saved"
+    def forward(self) -> list[Any]:
+        """Visit the forward graph; return the storage id of each saved value."""
+        for n in self.fw_nodes:
+            if n.op == "placeholder":
+                val = tensor_val(n)
+                if val is not None:
+                    self.sid_of[n] = self.primal_sid[n.name] = self.new_storage(val, n, True, "static")
+            elif n.op != "output":
+                self.visit(n, len(self.fw_steps) - 1, "forward")
+        outs = list(self.fw_nodes[-1].args[0])
+        k = self.step.num_fwd_outputs
+        for out in outs[:k]:  # the loss lives until the step ends
+            sid = self.sid_of.get(out) if isinstance(out, fx.Node) else None
+            if isinstance(sid, int):
+                self.touch(sid, self.end)
+                if not self.storages[sid].static:
+                    self.storages[sid].kind = "output"
+        saved_sids = [self.sid_of.get(out) for out in outs[k:]]
+        for sid in saved_sids:
+            if isinstance(sid, int) and not self.storages[sid].static:
+                self.storages[sid].kind = "saved"
+        return saved_sids
 
-    # backward: placeholders continue forward storages
-    bw_placeholders = [n for n in bw_nodes if n.op == "placeholder"]
-    n_saved = len(step.saved)
-    for i, ph in enumerate(bw_placeholders):
-        if i < n_saved:
-            sid_of[ph] = saved_sids[i]
-        elif ph.name in primal_sid:
-            sid_of[ph] = primal_sid[ph.name]
-        else:  # tangents
-            val = tensor_val(ph)
-            if val is not None:
-                sid_of[ph] = new_storage(val, ph, True, "static")
-        if isinstance(sid_of.get(ph), int):
-            touch(sid_of[ph], last_use(ph, end))
-    for n in bw_steps:
-        visit(n, end, step.kind_of.get(n.name, "backward"))
-    bw_output = bw_nodes[-1]
-    for g in bw_output.args[0]:
-        if isinstance(g, fx.Node) and isinstance(sid_of.get(g), int):
-            s = storages[sid_of[g]]
-            touch(sid_of[g], end)
-            if not s.static:
-                s.kind = "gradient"
-
-    return Intervals(storages, fw_steps, bw_steps, saved_sids)
+    def backward(self, saved_sids: list[Any]) -> None:
+        """Visit the backward graph: its placeholders continue forward storages (saved
+        values, primals) or are static (tangents); gradients live to the end."""
+        placeholders = [n for n in self.bw_nodes if n.op == "placeholder"]
+        for i, ph in enumerate(placeholders):
+            if i < len(self.step.saved):
+                self.sid_of[ph] = saved_sids[i]
+            elif ph.name in self.primal_sid:
+                self.sid_of[ph] = self.primal_sid[ph.name]
+            elif tensor_val(ph) is not None:  # tangents
+                self.sid_of[ph] = self.new_storage(tensor_val(ph), ph, True, "static")
+            if isinstance(self.sid_of.get(ph), int):
+                self.touch(self.sid_of[ph], self.last_use(ph, self.end))
+        for n in self.bw_steps:
+            self.visit(n, self.end, self.step.kind_of.get(n.name, "backward"))
+        for g in self.bw_nodes[-1].args[0]:
+            sid = self.sid_of.get(g) if isinstance(g, fx.Node) else None
+            if isinstance(sid, int):
+                self.touch(sid, self.end)
+                if not self.storages[sid].static:
+                    self.storages[sid].kind = "gradient"
 
 
 def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
@@ -307,58 +382,22 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
     """
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
-
-    def size(val: torch.Tensor) -> int:
-        nbytes = storage_nbytes(val)
-        if not isinstance(nbytes, int):
-            try:
-                nbytes = int(nbytes)
-            except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
-                    "shapes (use the symbolic model)"
-                ) from e
-        return _round(nbytes, allocator)
-
-    iv = live_intervals(step, size)
+    iv = live_intervals(step, lambda v: storage_bytes(v, allocator), lambda n: scratch_bytes(n, allocator))
     storages, fw_steps, bw_steps, saved_sids = iv.storages, iv.fw_steps, iv.bw_steps, iv.saved_sids
-    end = len(fw_steps) + len(bw_steps) - 1
     fw_end = len(fw_steps) - 1
-
-    # sweep
-    nsteps = end + 1
-    delta = [0] * (nsteps + 1)
-    for s in storages:
-        if s.static or s.nbytes == 0:
-            continue
-        delta[s.first] += s.nbytes
-        delta[s.last + 1] -= s.nbytes
-    for i, n in enumerate(fw_steps + bw_steps):
-        scratch = transient_bytes(n) if allocator == "cpu" else 0
-        if scratch:  # live during this op only
-            delta[i] += scratch
-            delta[i + 1] -= scratch
-    timeline: list[TimelineStep] = []
-    live = 0
-    all_steps = fw_steps + bw_steps
-    for i in range(nsteps):
-        live += delta[i]
-        node = all_steps[i]
-        timeline.append(
-            TimelineStep(
-                "forward" if i <= fw_end else "backward",
-                node.name,
-                step.layer_of.get(node.name),
-                live,
-            )
-        )
+    nsteps = len(fw_steps) + len(bw_steps)
+    live_bytes = live_timeline(iv)
+    timeline = [
+        TimelineStep("forward" if i <= fw_end else "backward", node.name, step.layer_of.get(node.name), live)
+        for i, (node, live) in enumerate(zip(iv.steps, live_bytes))
+    ]
     peak_step = max(range(nsteps), key=lambda i: (timeline[i].live_bytes, -i)) if nsteps else 0
     peak = timeline[peak_step] if timeline else TimelineStep("forward", "", None, 0)
     at_peak = sorted(
         (
             LiveTensor(s.name, s.layer, s.nbytes, s.kind)
             for s in storages
-            if not s.static and s.nbytes and s.first <= peak_step <= s.last
+            if not s.static and s.kind != "scratch" and s.nbytes and s.first <= peak_step <= s.last
         ),
         key=lambda t: (-t.nbytes, t.name),
     )
@@ -375,7 +414,7 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
     forward_flops = sum(node_flops(n) for n in fw_steps)
     recompute_flops = sum(node_flops(n) for n in bw_steps if step.kind_of.get(n.name) == "recompute")
     return MemoryReport(
-        schedule=step.schedule.provenance,
+        schedule=step.provenance,
         allocator=allocator,
         peak_bytes=peak.live_bytes,
         peak_step=peak_step,

@@ -19,12 +19,13 @@ Measurement (DESIGN.md, Measurement):
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -173,25 +174,60 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _profiled_peak_cpu(fn: Any) -> tuple[int, list[int]]:
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Run the cycle collector now, then keep it off while active: it must not free
+    tensors allocated before the measured window inside it (their frees would lower the
+    running sum below what the step itself allocates)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def profile_memory_events(fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn`` once under ``torch.profiler.profile(profile_memory=True)`` (CPU) with
+    the collector paused; return every profiler event (kineto results), unsorted.
+
+    The allocator events are those named ``[memory]`` (``nbytes()`` > 0: an allocation,
+    < 0: a free); ``record_function`` ranges come with them.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # the CPU build's profiler logs start/stop lines on fd 2
-        prof.start()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    running, peak, timeline = 0, 0, []
-    for e in events:
-        running += e.nbytes()
-        timeline.append(running)
-        peak = max(peak, running)
-    return peak, timeline
+    with _collector_paused():
+        with _quiet_stderr():  # the CPU build's profiler logs start/stop lines on fd 2
+            prof.start()
+        try:
+            fn()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+    return list(prof.profiler.kineto_results.events())
+
+
+def running_bytes(events: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """``(times_ns, running sum of allocated bytes after each allocator event)``, in time
+    order, from the events of ``profile_memory_events``."""
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"),
+                    key=lambda m: m[0])
+    total, times, running = 0, [], []
+    for t, nbytes in memory:
+        total += nbytes
+        times.append(t)
+        running.append(total)
+    return times, running
+
+
+def profiled_peak_cpu(fn: Callable[[], Any]) -> tuple[int, list[int]]:
+    """``(peak bytes, running sum after each allocator event)`` of one run of ``fn`` on
+    CPU, above what was allocated before it (the collector paused; warm ``fn`` up first)."""
+    _, running = running_bytes(profile_memory_events(fn))
+    return max([0, *running]), running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +253,8 @@ def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measu
     """Run ``step`` once to warm up, then once measured, both with RNG seed ``seed``.
 
     The cycle collector runs before the measured step and is paused during it, so that
-    no tensor allocated earlier is freed inside the window.
+    no tensor allocated earlier is freed inside the window. ``measured_step_timeline``
+    measures the same way, per step.
 
     Returns:
         The Measurement of the second run (its loss and gradients included).
@@ -232,22 +269,99 @@ def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measu
 
     once()
     result.clear()
-    # Python's cycle collector must not free older tensors inside the window: their
-    # frees would lower the running sum below what the step itself allocates.
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        if device == "cuda":
+    if device == "cuda":
+        with _collector_paused():
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             once()
             torch.cuda.synchronize()
             peak, timeline = torch.cuda.max_memory_allocated() - base, []
-        else:
-            peak, timeline = _profiled_peak_cpu(once)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    else:
+        peak, timeline = profiled_peak_cpu(once)
     return Measurement(peak, device, tuple(timeline), result["loss"], result["grads"])
+
+
+class _MarkedGraph:
+    """A graph whose call_function nodes run inside ``record_function(label)``; duck-types
+    the GraphModule that ``run_graph`` needs (``.graph`` and attributes)."""
+
+    def __init__(self, gm: fx.GraphModule, first: int):
+        self._gm = gm
+        self.graph = fx.Graph()
+        out = self.graph.graph_copy(gm.graph, {})
+        self.graph.output(out)
+        self.labels: list[str] = []  # one per step; get_attr steps run no op
+        for new in self.graph.nodes:
+            if new.op in ("placeholder", "output"):
+                continue
+            label = f"remat::{first + len(self.labels)}"
+            self.labels.append(label)
+            if new.op == "call_function":
+                new.target = _marked(new.target, label)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gm, name)
+
+
+def _marked(target: Any, label: str) -> Any:
+    from torch.profiler import record_function
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return target(*args, **kwargs)
+
+    return run
+
+
+def measured_step_timeline(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> tuple[int, ...]:
+    """Measured live bytes at every step of ``step``, aligned with ``MemoryReport.timeline``.
+
+    Runs the step as ``measure_step`` does on CPU (one warm-up, then one run under the
+    profiler with the collector paused), with every node's call wrapped in
+    ``record_function("remat::<i>")``. The allocator events are ordered by time and
+    summed; step i's value is the largest running sum between the start and the end of
+    node i (its inputs and outputs coexist there, as the liveness model counts), or the
+    running sum when it starts if the node allocates nothing. Frees of values after
+    their last use happen between nodes, outside every window, as in the model.
+
+    Differences from the prediction are real: scratch memory an op allocates and frees
+    inside itself raises the measured value of that step only.
+
+    Args:
+        step: the rewritten step; joint: its JointGraph (primal and tangent values).
+        seed: RNG seed for both runs (dropout masks).
+
+    Returns:
+        One int per step (forward steps, then backward steps), bytes above the start.
+
+    Raises:
+        ValueError: the step runs on CUDA (use ``measure_step``'s peak there).
+    """
+    device = joint.primal_values[0].device.type if joint.primal_values else "cpu"
+    if device != "cpu":
+        raise ValueError(f"measured_step_timeline runs on CPU only; this step runs on {device}")
+    fw = _MarkedGraph(step.forward, 0)
+    bw = _MarkedGraph(step.backward, len(fw.labels))
+    marked = dataclasses.replace(step, forward=fw, backward=bw)
+
+    def once() -> None:
+        torch.manual_seed(seed)
+        run_step(marked, joint)
+
+    once()
+    events = profile_memory_events(once)
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns())
+               for e in events if e.name().startswith("remat::")}
+    times, running = running_bytes(events)
+    out: list[int] = []
+    for label in fw.labels + bw.labels:
+        if label not in windows:  # a get_attr step: no op runs, nothing is allocated
+            out.append(out[-1] if out else 0)
+            continue
+        start, stop = windows[label]
+        i0 = bisect.bisect_left(times, start)
+        i1 = bisect.bisect_right(times, stop)
+        before = running[i0 - 1] if i0 > 0 else 0
+        out.append(max([before, *running[i0:i1]]))
+    return tuple(out)

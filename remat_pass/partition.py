@@ -229,6 +229,7 @@ def partition(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Parti
     Example:
         >>> from remat_pass.models import linear_chain
         >>> from remat_pass.regions import assign_layers
+        >>> from remat_pass.trace import trace_joint
         >>> from remat_pass import schedule
         >>> joint = trace_joint(*linear_chain(batch=4, width=8, layers=4))
         >>> p = partition(joint, assign_layers(joint), schedule.uniform(2, 4))

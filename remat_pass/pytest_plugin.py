@@ -4,7 +4,7 @@ Installed with remat-pass (entry point ``pytest11: remat_pass``), so any project
 has remat-pass installed gets:
 
 - the ``remat_peak`` fixture, a ``PeakChecker``: ``remat_peak.check(model, inputs,
-  loss_fn, schedule="uniform", k=2, budget="2GiB", baseline="baselines/gpt.json",
+  loss_fn, schedule="uniform", recompute_num_layers=2, budget="2GiB", baseline="baselines/gpt.json",
   max_regression="5%")`` traces one training step, rewrites it under the schedule,
   predicts its peak by liveness analysis (no run, no GPU) and fails the test with
   ``remat-pass check``'s explanation when the peak exceeds the budget or grows past
@@ -22,12 +22,13 @@ Example::
 
     def test_peak(remat_peak):
         model, inputs, loss_fn = remat_pass.models.linear_chain(layers=4)
-        remat_peak.check(model, inputs, loss_fn, schedule="uniform", k=2,
+        remat_peak.check(model, inputs, loss_fn, schedule="uniform", recompute_num_layers=2,
                          budget="4MiB", baseline="peak_baseline.json")
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,10 @@ class PeakChecker:
         loss_fn: Any = None,
         *,
         schedule: str = "none",
-        k: int | None = None,
+        recompute_num_layers: int | None = None,
         stack: str | None = None,
         allocator: str = "cpu",
+        k: int | None = None,
         **factory_kwargs: Any,
     ) -> dict[str, Any]:
         """The predicted report (``report_json`` dict) of one training step.
@@ -79,22 +81,31 @@ class PeakChecker:
             model: an ``nn.Module`` (then ``example_inputs`` and ``loss_fn`` as for
                 ``trace_joint``), or a factory spec ``"module:factory"`` called with
                 ``factory_kwargs``.
-            schedule, k: ``none`` | ``uniform`` (K) | ``block`` (N).
+            schedule: ``none`` | ``uniform`` | ``block`` (Megatron-LM's
+                ``--recompute-method``).
+            recompute_num_layers: K (uniform) or N (block).
             stack: module path of the layer stack when not found automatically.
             allocator: "cpu" or "cuda" byte model.
+            k: the old name of ``recompute_num_layers`` (deprecated).
 
         Raises:
             RematError, ValueError: tracing, layer stack or schedule errors.
         """
+        # imported here, not at module level: pytest loads this plugin in every session
+        # of an environment that has remat-pass, and most never use it (torch is slow
+        # to import)
         from . import schedule as schedules
         from .models import build
         from .report import report_json
         from .sweep import Session
 
+        if k is not None:
+            warnings.warn("remat_peak: k= is deprecated, use recompute_num_layers=", DeprecationWarning, stacklevel=3)
+            recompute_num_layers = k if recompute_num_layers is None else recompute_num_layers
         if isinstance(model, str):
             model, example_inputs, loss_fn = build(model, **factory_kwargs)
         session = Session.create(model, example_inputs, loss_fn, layers=stack)
-        sched = schedules.make(schedule, k, session.stack.num_layers)
+        sched = schedules.make(schedule, recompute_num_layers, session.stack.num_layers)
         step, report, _ = session.prepare(sched, allocator)
         return report_json(report, step)
 
@@ -104,18 +115,15 @@ class PeakChecker:
         example_inputs: Any = None,
         loss_fn: Any = None,
         *,
-        schedule: str = "none",
-        k: int | None = None,
         budget: str | int | None = None,
         baseline: str | Path | None = None,
         max_regression: str | float | None = None,
-        stack: str | None = None,
-        allocator: str = "cpu",
-        **factory_kwargs: Any,
+        **predict_kwargs: Any,
     ) -> dict[str, Any]:
-        """Predict (as ``predict``), then fail the test if the peak exceeds ``budget``
-        (default: the ``remat_budget`` marker) or grows more than ``max_regression``
-        (default: ini ``remat_max_regression``) over ``baseline``.
+        """Predict (as ``predict``, which takes the other keywords), then fail the test
+        if the peak exceeds ``budget`` (default: the ``remat_budget`` marker) or grows
+        more than ``max_regression`` (default: ini ``remat_max_regression``) over
+        ``baseline``; the check is ``gate.gate``, as ``remat-pass check`` runs it.
 
         Returns:
             The report dict (also when the check passes).
@@ -125,35 +133,24 @@ class PeakChecker:
                 explanation), no budget or baseline was given, or the baseline file is
                 missing (run pytest with ``--remat-update-baseline`` to write it).
         """
-        from .gate import parse_bytes, parse_fraction, run_gate
-        from .report import read_reports, reports_document, write_report
+        from .gate import gate  # see predict: keep plugin loading free of torch
 
         budget = budget if budget is not None else self.default_budget
         if budget is None and baseline is None:
             pytest.fail("remat_peak.check needs a budget (argument or @pytest.mark.remat_budget) or a baseline",
                         pytrace=False)
-        report = self.predict(model, example_inputs, loss_fn, schedule=schedule, k=k, stack=stack,
-                              allocator=allocator, **factory_kwargs)
-        base_docs = None
+        path = None
         if baseline is not None:
             path = Path(baseline)
             if not path.is_absolute():
                 path = Path(self._request.path).parent / path
-            if self.update_baseline:
-                docs = read_reports(path) if path.exists() else []
-                name = report["schedule"]["provenance"]
-                docs = [d for d in docs if d["schedule"]["provenance"] != name] + [report]
-                write_report(path, reports_document(docs))
-            elif not path.exists():
+            if not self.update_baseline and not path.exists():
                 pytest.fail(f"no remat-pass baseline at {path}: run pytest --remat-update-baseline to write it, "
                             "then commit it", pytrace=False)
-            else:
-                base_docs = read_reports(path)
-        if budget is None and base_docs is None:
-            return report
-        limit = parse_fraction(max_regression if max_regression is not None else self.default_max_regression)
-        result = run_gate([report], budget_bytes=parse_bytes(budget) if budget is not None else None,
-                          baseline=base_docs, max_regression_fraction=limit)
+        report = self.predict(model, example_inputs, loss_fn, **predict_kwargs)
+        result = gate([report], budget=budget, baseline=path,
+                      max_regression=max_regression if max_regression is not None else self.default_max_regression,
+                      update_baseline=self.update_baseline)
         if not result.ok:
             pytest.fail(result.text(), pytrace=False)
         return report

@@ -1,4 +1,5 @@
-"""Render results: text tables, versioned JSON, Markdown CI summaries and PNG timelines.
+"""Render results: sweep tables, versioned JSON, Markdown CI summaries, the symbolic
+model's formulas and plans (PNG timelines: ``plot.py``; tables and units: ``formatting.py``).
 
 JSON: ``report_json`` writes one MemoryReport as a document of kind
 ``remat-pass-report``; ``reports_document`` wraps several (one per schedule) as kind
@@ -13,22 +14,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
+import jsonschema
+import sympy
+
+from solvers import closed_forms
+
+from . import schedule as schedules
+from .formatting import fmt_bytes, markdown_table, mib
+from .liveness import MemoryReport
+from .planner import Plan
+from .rewrite import RewrittenStep
+from .schedule import describe_groups
 from .sweep import ScheduleResult
+from .symbolic import SymbolicModel
 
-if TYPE_CHECKING:
-    from .liveness import MemoryReport
-    from .rewrite import RewrittenStep
-
-MIB = 2**20
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: schedule.k renamed recompute_num_layers (version 1 is still read)
 SCHEMA_FILE = Path(__file__).with_name("report_schema.json")
-
-
-def mib(nbytes: float) -> str:
-    """Bytes as MiB with 2 decimals."""
-    return f"{nbytes / MIB:.2f}"
 
 
 def where(phase: str, layer: int | None) -> str:
@@ -69,45 +72,6 @@ def _saving(r: ScheduleResult) -> str:
     return f"-{mib(r.peak_saving_vs_none_bytes)}" if r.peak_saving_vs_none_bytes else "0.00"
 
 
-def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
-    """A fixed-width text table.
-
-    Args:
-        align: one character per column, ``l`` (left) or ``r`` (right); default: the
-            first column left, the others right.
-    """
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    align = align or "l" + "r" * (len(widths) - 1)
-
-    def line(cells: Sequence[Any]) -> str:
-        return "  ".join(
-            (str(c).ljust(w) if a == "l" else str(c).rjust(w)) for c, w, a in zip(cells, widths, align)
-        ).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
-def fmt_bytes(nbytes: int | None) -> str:
-    """``512 B``, ``16.0 KiB``, ``4.00 MiB``, ``1.25 GiB`` (binary units); "" for None."""
-    if nbytes is None:
-        return ""
-    n = abs(nbytes)
-    if n < 1024:
-        return f"{nbytes} B"
-    if n < MIB:
-        return f"{nbytes / 1024:.1f} KiB"
-    if n < 2**30:
-        return f"{nbytes / MIB:.2f} MiB"
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured Markdown table."""
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def write_json(path: str | Path, payload: Any) -> None:
     """Write ``payload`` as indented JSON (UTF-8)."""
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")
@@ -126,8 +90,8 @@ def _layer_key(layer: int | None) -> str:
 
 
 def report_json(
-    report: "MemoryReport",
-    step: "RewrittenStep | None" = None,
+    report: MemoryReport,
+    step: RewrittenStep | None = None,
     *,
     timeline: bool = False,
     meta: dict[str, Any] | None = None,
@@ -145,14 +109,12 @@ def report_json(
         A dict valid against ``report_schema.json`` (``schema_version`` =
         ``SCHEMA_VERSION``); all sizes in bytes, FLOPs as ints. Same report, same dict.
     """
-    sched: dict[str, Any] = {"provenance": report.schedule, "method": None, "k": None,
+    sched: dict[str, Any] = {"provenance": report.schedule, "method": None, "recompute_num_layers": None,
                              "num_layers": None, "groups": None, "description": None}
     segments = forced = None
     if step is not None:
-        from .schedule import describe_groups
-
         s = step.schedule
-        sched.update(method=s.method, k=s.k, num_layers=s.num_layers,
+        sched.update(method=s.method, recompute_num_layers=s.recompute_num_layers, num_layers=s.num_layers,
                      groups=[list(g) for g in s.groups],
                      description=describe_groups(s.groups, s.num_layers))
         segments = [
@@ -230,27 +192,48 @@ def reports_document(reports: Sequence[dict[str, Any]], meta: dict[str, Any] | N
     return doc
 
 
+def _upgrade(doc: Any) -> Any:
+    """A schema_version 1 document as version 2 (``schedule.k`` -> ``recompute_num_layers``)."""
+    if not (isinstance(doc, dict) and doc.get("schema_version") == 1):
+        return doc
+    doc = dict(doc, schema_version=2)
+    if isinstance(doc.get("reports"), list):
+        doc["reports"] = [_upgrade(r) for r in doc["reports"]]
+    sched = doc.get("schedule")
+    if isinstance(sched, dict) and "k" in sched:
+        doc["schedule"] = {("recompute_num_layers" if k == "k" else k): v for k, v in sched.items()}
+    return doc
+
+
 def read_reports(path: str | Path) -> list[dict[str, Any]]:
-    """The reports in a JSON file written by ``remat-pass report --json`` (one or many).
+    """The reports in a JSON file written by ``remat-pass report --json`` (one or many),
+    validated against ``report_schema.json`` (schema_version 1 files are upgraded).
 
     Raises:
-        ValueError: unreadable, not JSON, not a remat-pass report document, or a
-            schema_version this remat-pass does not read.
+        ValueError: unreadable, not UTF-8 JSON, not a remat-pass report document, a
+            schema_version this remat-pass does not read, or a field missing or of the
+            wrong type (the message names the file, the field and what is expected).
     """
     path = Path(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON text ({e}); pass a report written by "
+                         "`remat-pass report --json`") from e
     except OSError as e:
         raise ValueError(f"cannot read report {path}: {e.strerror}") from e
     kind = doc.get("kind") if isinstance(doc, dict) else None
     if kind not in ("remat-pass-report", "remat-pass-reports"):
         raise ValueError(f"{path} is not a remat-pass report (kind {kind!r}); write one with `remat-pass report --json`")
-    if doc.get("schema_version") != SCHEMA_VERSION:
+    if doc.get("schema_version") not in (1, SCHEMA_VERSION):
         raise ValueError(
-            f"{path} has schema_version {doc.get('schema_version')!r}; this remat-pass reads "
+            f"{path} has schema_version {doc.get('schema_version')!r}; this remat-pass reads 1 and "
             f"{SCHEMA_VERSION}: regenerate it with `remat-pass report --json`")
+    doc = _upgrade(doc)
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema()).iter_errors(doc))
+    if error is not None:
+        field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise ValueError(f"{path}: field {field}: {error.message} (schema: remat_pass/report_schema.json)")
     return list(doc["reports"]) if kind == "remat-pass-reports" else [doc]
 
 
@@ -261,7 +244,7 @@ def _where(peak: dict[str, Any]) -> str:
     return where(peak["phase"], peak["layer"])
 
 
-def report_markdown(report: "MemoryReport", step: "RewrittenStep | None" = None, top: int = 10) -> str:
+def report_markdown(report: MemoryReport, step: RewrittenStep | None = None, top: int = 10) -> str:
     """A Markdown summary that reads well as a GitHub CI step summary.
 
     Sections: headline (schedule, peak, where), a key-figure table, bytes live at the
@@ -342,103 +325,104 @@ def summary_markdown(reports: Sequence[dict[str, Any]]) -> str:
     )
 
 
-# --------------------------------------------------------------------------- PNG
+# --------------------------------------------------------------------------- symbolic model and plans
 
 
-def plot_timeline(
-    report: "MemoryReport",
-    path: str | Path,
-    measured_timeline: Sequence[int] | None = None,
-    *,
-    step: "RewrittenStep | None" = None,
-    title: str | None = None,
-) -> Path:
-    """Draw live activation bytes over the forward and backward steps as a PNG.
-
-    The predicted bytes are stacked by the layer that allocated them when ``step`` is
-    given (``inspection.live_bytes_by_layer``; the stack's top is the timeline), else
-    drawn as one area. A dashed line splits forward from backward; the peak is marked
-    and labelled with its node and layer.
-
-    ``measured_timeline`` is overlaid as a black line:
-
-    - one value per step (``len == len(report.timeline)``, from
-      ``inspection.measured_step_timeline``): drawn on the same x axis;
-    - anything else (e.g. ``Measurement.timeline_bytes``, one value per allocator
-      event): its steps are not graph steps, so it is drawn against its own top x axis
-      (allocator event index) and labelled so.
-
-    Args:
-        report: ``liveness.analyze`` output; path: the PNG to write.
-        measured_timeline: measured bytes (see above), or None.
-        step: the rewritten step, to stack by layer.
-        title: the plot title (default: the schedule and the peak).
-
-    Returns:
-        ``path`` as a Path.
-
-    Raises:
-        ImportError: matplotlib is missing (``pip install 'remat-pass[plot]'``).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "plot_timeline needs matplotlib: pip install 'remat-pass[plot]' (or pip install matplotlib)"
-        ) from e
-    path = Path(path)
-    n = len(report.timeline)
-    xs = list(range(n))
-    total = [t.live_bytes / MIB for t in report.timeline]
-    fig, ax = plt.subplots(figsize=(13, 5.5), dpi=110)
-    if step is not None:
-        from .inspection import live_bytes_by_layer
-
-        labels, rows = live_bytes_by_layer(step, report.allocator)
-        if labels and labels[0] == "outer":  # outer on top: its spikes do not lift the layers
-            labels, rows = labels[1:] + labels[:1], rows[1:] + rows[:1]
-        cmap = plt.get_cmap("tab20")
-        colors = ["#bbbbbb" if lab == "outer" else cmap((j % 20) / 20 + 0.001) for j, lab in enumerate(labels)]
-        ax.stackplot(xs, [[b / MIB for b in r] for r in rows], labels=labels, colors=colors, linewidth=0)
-    else:
-        ax.fill_between(xs, total, color="#4c72b0", alpha=0.6, linewidth=0, label="predicted (all layers)")
-    ax.plot(xs, total, color="#1f1f1f", linewidth=0.6, alpha=0.7, label="predicted total")
-    n_fw = sum(1 for t in report.timeline if t.phase == "forward")
-    ax.axvline(n_fw - 0.5, color="#555555", linestyle="--", linewidth=1)
-    top = max(total) if total else 0
-    ax.text(n_fw / 2, top * 1.02, "forward", ha="center", va="bottom", fontsize=9, color="#555555")
-    ax.text(n_fw + (n - n_fw) / 2, top * 1.02, "backward", ha="center", va="bottom", fontsize=9, color="#555555")
-    if n:
-        px, py = report.peak_step, report.peak_bytes / MIB
-        ax.plot([px], [py], marker="v", color="red", markersize=9, zorder=5)
-        ax.annotate(
-            f"peak {py:.2f} MiB\n{where(report.peak_phase, report.peak_layer)}, {report.peak_node}",
-            (px, py), xytext=(0, 14), textcoords="offset points", ha="center", fontsize=8, color="red",
-        )
-    if measured_timeline is not None:
-        mt = [b / MIB for b in measured_timeline]
-        if len(mt) == n:
-            ax.plot(xs, mt, color="black", linewidth=1.1, linestyle=":",
-                    label=f"measured (peak {max(mt) if mt else 0:.2f} MiB)")
+def symbolic_model_text(sm: SymbolicModel) -> str:
+    """The symbolic formulas of ``sm`` as text and LaTeX (``remat-pass model``): the
+    per-layer aggregates, the closed forms (``solvers.closed_forms``) and, at the traced
+    shapes, how close they are to the exact liveness peak of every Megatron setting."""
+    L = sm.num_layers
+    agg = sm.aggregates()
+    cf = sm.closed_forms()
+    lines = [f"layer stack {sm.stack.path!r}, L = {L}; symbols {', '.join(sm.gens)} "
+             f"(traced at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}); bytes, fp as traced", ""]
+    lines.append("per-layer aggregates (read off the graph):")
+    for name, label in (("checkpoint_bytes", "s  (saved as a group of one)"),
+                        ("stored_layer_bytes", "a  (saved when stored)"),
+                        ("forward_flops", "forward FLOPs"), ("recompute_flops", "recompute FLOPs (alone)")):
+        vals = agg[name]
+        if all(sympy.simplify(v - vals[0]) == 0 for v in vals):
+            lines.append(f"  {label:32s} = {vals[0]}   (every layer)")
         else:
-            ax2 = ax.twiny()
-            ax2.plot(range(len(mt)), mt, color="black", linewidth=0.8, alpha=0.7,
-                     label="measured, per allocator event (own x axis, top)")
-            ax2.set_xlabel("allocator event # (measured; not aligned to graph steps)")
-            ax2.legend(loc="upper right", fontsize=8)
-    ax.set_xlim(0, max(n - 1, 1))
-    ax.set_ylim(0, top * 1.15 if top else 1)
-    ax.set_xlabel(f"step (graph node: {n_fw} forward, then {n - n_fw} backward)")
-    ax.set_ylabel("live activation memory (MiB)")
-    ax.set_title(title or f"{report.schedule}: predicted peak {report.peak_bytes / MIB:.2f} MiB "
-                          f"(static {report.static_bytes / MIB:.2f} MiB not shown)", fontsize=11)
-    handles, labs = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labs[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
-              frameon=False, ncol=2 if len(labs) > 24 else 1)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+            lines += [f"  {label:32s} layer {i} = {v}" for i, v in enumerate(vals)]
+    lines.append(f"  {'outer saved bytes':32s} = {agg['outer_saved_bytes']}")
+    lines.append("")
+    lines.append(f"chain-model terms (middle layer): s = {cf.checkpoint_bytes}, a = {cf.stored_layer_bytes}, "
+                 f"g = {cf.param_grad_bytes} (parameter-gradient bytes)")
+    for (sym, ex), what in zip(cf.region_peaks.items(), ("top layer's backward, rebuilt",
+                                                         "top layer's backward, stored", "head", "rest of outer")):
+        lines.append(f"  {sym} = {ex}   ({what})")
+    lines.append("")
+    lines.append(f"peak_uniform(K) = {cf.peak_uniform}")
+    lines.append(f"peak_block(N)   = {cf.peak_block}")
+    lines.append(f"K* (continuous) = {cf.k_star}")
+    if sm.hints:
+        at = {sm.symbol(k): v for k, v in sm.hints.items()}
+        exact = {k: sm.peak_at(schedules.uniform(k, L), **sm.hints) for k in range(1, L + 1)}
+        closed = {k: cf.evaluate(cf.peak_uniform, at, K=k, L=L) for k in exact}
+        exact_b = {n: sm.peak_at(schedules.block(n, L), **sm.hints) for n in range(0, L + 1)}
+        closed_b = {n: cf.evaluate(cf.peak_block, at, N=n, L=L) for n in exact_b}
+        best = min(exact, key=lambda k: (exact[k], k))
+        kstar = cf.k_star.xreplace(at).xreplace({closed_forms.L: L})
+        err_u = max(abs(closed[k] - exact[k]) / exact[k] for k in exact)
+        err_b = max(abs(closed_b[n] - exact_b[n]) / exact_b[n] for n in exact_b)
+        lines.append(f"at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}: K* = {float(kstar):.2f}; "
+                     f"the exact peak of uniform(K) is least at K = {best} ({fmt_bytes(exact[best])}); "
+                     f"closed forms vs exact liveness peaks: uniform K=1..{L} within {100 * err_u:.2f} %, "
+                     f"block N=0..{L} within {100 * err_b:.2f} %")
+    lines.append("")
+    lines.append("LaTeX:")
+    lines.append(f"  \\mathrm{{peak}}_{{uniform}}(K) = {sympy.latex(cf.peak_uniform)}")
+    lines.append(f"  \\mathrm{{peak}}_{{block}}(N) = {sympy.latex(cf.peak_block)}")
+    lines.append(f"  K^* = {sympy.latex(cf.k_star)}")
+    return "\n".join(lines)
+
+
+def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: float) -> str:
+    """What ``remat-pass plan --budget`` prints: the schedule, its predicted and measured
+    peak against the budget, recompute, gradients, and the solver's figures."""
+    p, b = plan, plan.budget_bytes
+    measured = result.measured_peak_bytes
+    lines = [
+        f"budget             {b} bytes ({fmt_bytes(b)})",
+        f"schedule           {p.describe()}",
+        f"  groups           {' '.join(str(list(g)) for g in p.schedule.groups) or 'none'}",
+        f"  stored layers    {' '.join(map(str, p.schedule.stored_layers)) or 'none'} (of L={p.schedule.num_layers})",
+        f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
+        f"chain model {p.model_peak_bytes}",
+        (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
+         if measured is not None else "measured peak      - (not reported: the gradients differ)"),
+        f"recompute          {p.recompute_flops} FLOPs = {100 * p.recompute_fraction:.1f} % of forward",
+        f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
+        f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)}, none)",
+        f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
+        f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; calibration "
+        f"{calibrate_s:.2f} s; total {total_s:.1f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
+    """The ``remat-pass plan --json`` document."""
+    p = plan
+    return {
+        "budget_bytes": p.budget_bytes,
+        "schedule": {
+            "description": p.describe(),
+            "provenance": p.schedule.provenance,
+            "groups": [list(g) for g in p.schedule.groups],
+            "stored_layers": list(p.schedule.stored_layers),
+            "num_layers": p.schedule.num_layers,
+        },
+        "predicted_peak_bytes": p.predicted_peak_bytes,
+        "model_peak_bytes": p.model_peak_bytes,
+        "measured_peak_bytes": result.measured_peak_bytes,
+        "recompute_flops": p.recompute_flops,
+        "forward_flops": p.forward_flops,
+        "recompute_fraction": p.recompute_fraction,
+        "grads_equal": result.grads_equal,
+        "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
+        "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
+        "solve_time_s": p.solve_time_s,
+    }

@@ -32,14 +32,15 @@ class Schedule:
     Attributes:
         method: ``"none"``, ``"uniform"``, ``"block"`` or ``"optimized"``.
         num_layers: L, the length of the layer stack the schedule is for.
-        k: K for uniform, N for block, None otherwise.
+        recompute_num_layers: K for uniform, N for block (Megatron-LM's
+            ``--recompute-num-layers``), None otherwise.
         groups: the recomputed groups, each a tuple of consecutive layer indices, in
             layer order; layers in no group are stored (nothing recomputed).
     """
 
     method: str
     num_layers: int
-    k: int | None = None
+    recompute_num_layers: int | None = None
     groups: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
@@ -61,9 +62,9 @@ class Schedule:
     def provenance(self) -> str:
         """A readable name: ``none``, ``uniform(K=4)``, ``block(N=3)`` or the groups."""
         if self.method == "uniform":
-            return f"uniform(K={self.k})"
+            return f"uniform(K={self.recompute_num_layers})"
         if self.method == "block":
-            return f"block(N={self.k})"
+            return f"block(N={self.recompute_num_layers})"
         if self.method == "optimized":
             return f"optimized({describe_groups(self.groups, self.num_layers)})"
         return "none"
@@ -137,8 +138,14 @@ def optimized(groups: tuple[tuple[int, ...], ...], num_layers: int) -> Schedule:
     return Schedule("optimized", num_layers, None, tuple(tuple(g) for g in groups))
 
 
-def make(method: str, k: int | None, num_layers: int) -> Schedule:
+def make(method: str, recompute_num_layers: int | None, num_layers: int) -> Schedule:
     """Build ``none`` / ``uniform`` / ``block`` from a method name and K or N.
+
+    Args:
+        method: ``none``, ``uniform`` or ``block`` (Megatron-LM's ``--recompute-method``).
+        recompute_num_layers: K (uniform) or N (block), Megatron-LM's
+            ``--recompute-num-layers``; ignored for none.
+        num_layers: L, the layers of the stack.
 
     Raises:
         InvalidSchedule: unknown method, or K / N out of range (message names L).
@@ -146,7 +153,21 @@ def make(method: str, k: int | None, num_layers: int) -> Schedule:
     if method == "none":
         return none(num_layers)
     if method == "uniform":
-        return uniform(k, num_layers)  # type: ignore[arg-type]
+        return uniform(recompute_num_layers, num_layers)  # type: ignore[arg-type]
     if method == "block":
-        return block(k, num_layers)  # type: ignore[arg-type]
+        return block(recompute_num_layers, num_layers)  # type: ignore[arg-type]
     raise InvalidSchedule(f"schedule {method!r} is not one of none, uniform, block")
+
+
+def megatron_schedules(num_layers: int) -> list[Schedule]:
+    """``none``, uniform K = 1..L, block N = 0..L: every Megatron-LM full-recompute setting."""
+    return (
+        [none(num_layers)]
+        + [uniform(k, num_layers) for k in range(1, num_layers + 1)]
+        + [block(n, num_layers) for n in range(0, num_layers + 1)]
+    )
+
+
+def recompute_fraction(recompute_flops: int, forward_flops: int) -> float:
+    """Recompute FLOPs as a fraction of forward FLOPs (0 when forward has none)."""
+    return recompute_flops / forward_flops if forward_flops else 0.0

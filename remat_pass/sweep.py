@@ -26,8 +26,10 @@ from .measure import (
 )
 from .regions import LayerStack, assign_layers, find_layer_stack
 from .rewrite import RewrittenStep, rewrite
-from .schedule import Schedule
+from .schedule import Schedule, megatron_schedules, recompute_fraction
 from .trace import JointGraph, trace_joint
+
+__all__ = ["ScheduleResult", "Session", "megatron_schedules", "sweep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,7 @@ class ScheduleResult:
 
     Attributes:
         schedule: ``"none"``, ``"uniform"``, ``"block"`` or ``"optimized"``.
-        k: K (uniform) or N (block); None otherwise.
+        recompute_num_layers: K (uniform) or N (block); None otherwise.
         provenance: e.g. ``"uniform(K=4)"``.
         predicted_peak_bytes, measured_peak_bytes: activation peaks; None when the
             gradients differ (a peak is never reported next to wrong gradients).
@@ -55,7 +57,7 @@ class ScheduleResult:
     """
 
     schedule: str
-    k: int | None
+    recompute_num_layers: int | None
     provenance: str
     predicted_peak_bytes: int | None
     measured_peak_bytes: int | None
@@ -76,7 +78,7 @@ class ScheduleResult:
     @property
     def recompute_fraction(self) -> float:
         """Recompute FLOPs / forward FLOPs."""
-        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+        return recompute_fraction(self.recompute_flops, self.forward_flops)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the ``--json`` row)."""
@@ -157,6 +159,10 @@ class Session:
         report = analyze(step, allocator)
         return step, report, time.perf_counter() - t0
 
+    def report(self, schedule: Schedule, allocator: str = "cpu") -> MemoryReport:
+        """The predicted MemoryReport of ``schedule`` (``prepare`` without the step)."""
+        return self.prepare(schedule, allocator)[1]
+
     def evaluate(self, schedule: Schedule, strict: bool = True) -> ScheduleResult:
         """Rewrite, predict, run and measure ``schedule``.
 
@@ -179,7 +185,7 @@ class Session:
             self.check_grads(schedule, m.grads)
         return ScheduleResult(
             schedule=schedule.method,
-            k=schedule.k,
+            recompute_num_layers=schedule.recompute_num_layers,
             provenance=schedule.provenance,
             predicted_peak_bytes=report.peak_bytes if equal else None,
             measured_peak_bytes=m.peak_bytes if equal else None,
@@ -224,15 +230,6 @@ class Session:
                     "its peak is not reported"
                 )
         raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
-
-
-def megatron_schedules(num_layers: int) -> list[Schedule]:
-    """``none``, uniform K = 1..L, block N = 0..L: every Megatron-LM full-recompute setting."""
-    return (
-        [schedules.none(num_layers)]
-        + [schedules.uniform(k, num_layers) for k in range(1, num_layers + 1)]
-        + [schedules.block(n, num_layers) for n in range(0, num_layers + 1)]
-    )
 
 
 def sweep(

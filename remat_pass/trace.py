@@ -49,7 +49,9 @@ class JointGraph:
         primal_kinds: "param", "buffer" or "input" for each primal.
         primal_labels: the parameter / buffer name or "input[i]" for each primal.
         tangent_values: the real tangents (``ones_like(loss)``).
-        model: the traced module (its parameters are the "param" primals).
+        model: the traced module (its parameters are the "param" primals); None for a
+            graph that Dynamo captured (the torch.compile backend sees no module, and
+            ``primal_values`` / ``tangent_values`` are then its fake example values).
         symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
             name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
             used for the input dimensions given that name (``(s0, s2)``); empty for a
@@ -65,16 +67,9 @@ class JointGraph:
     primal_kinds: list[str]
     primal_labels: list[str]
     tangent_values: list[torch.Tensor]
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
     shape_env: Any = None
-
-    def node(self, name: str) -> fx.Node:
-        """The joint node called ``name`` (KeyError if there is none)."""
-        for n in self.gm.graph.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
 
     @property
     def num_params(self) -> int:
@@ -247,8 +242,6 @@ def trace_joint(
         >>> j.primals[:2], j.num_fwd_outputs
         (['primals_1', 'primals_2'], 1)
     """
-    from torch._functorch.aot_autograd import aot_function
-
     args, kwargs = _split_inputs(example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -284,9 +277,6 @@ def trace_joint(
             out = model(*a, **k)
         return extract_loss(out, loss_fn)
 
-    def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
-        raise _JointCaptured(joint, num_fwd_outputs)
-
     trace_values: list[Any] = list(primal_values)
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
     shape_env = None
@@ -294,23 +284,65 @@ def trace_joint(
         trace_values, dims_of_symbol, shape_env = _symbolic_inputs(
             symbols, primal_values, n_p + n_b, arg_spec, kwarg_spec
         )
-    compiled = aot_function(
-        step,
-        fw_compiler=lambda g, _: g,
-        bw_compiler=lambda g, _: g,
-        partition_fn=capture,
-        dynamic=bool(symbols),
+    joint, num_fwd_outputs = _capture_joint(step, trace_values, dynamic=bool(symbols))
+    if num_fwd_outputs != 1:
+        raise UnsupportedGraph(
+            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
+            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
+            "statistics in train mode) or returns an alias of an input. Put such layers "
+            "in eval mode or remove the mutation."
+        )
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    primals = [n.name for n in placeholders if n.name.startswith("primals")]
+    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    if len(primals) != len(primal_values):
+        raise UnsupportedGraph(
+            f"the joint graph has {len(primals)} primals for {len(primal_values)} inputs"
+        )
+    tangent_values = _tangent_values(joint, tangents)
+    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, primal_labels)
+    return JointGraph(
+        gm=joint,
+        primals=primals,
+        tangents=tangents,
+        num_fwd_outputs=num_fwd_outputs,
+        primal_values=primal_values,
+        primal_kinds=primal_kinds,
+        primal_labels=primal_labels,
+        tangent_values=tangent_values,
+        model=model,
+        symbols=named_symbols,
+        shape_env=shape_env,
     )
+
+
+def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
+                   dynamic: bool) -> tuple[fx.GraphModule, int]:
+    """AOTAutograd's joint graph of ``step`` at ``trace_values`` and its number of
+    forward outputs (the partition function stops AOTAutograd once it has them).
+
+    Raises:
+        UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
+            trace it.
+        RematError: no parameter or input requires grad.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        raise _JointCaptured(joint, num_fwd_outputs)
+
+    compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                            partition_fn=capture, dynamic=dynamic)
     # Tensors the model or loss_fn close over (targets, masks) become graph constants.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
-        context = contextlib.nullcontext() if symbols else tracing(TracingContext(fake_mode))
+        context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
         with fx_traceback.preserve_node_meta(), context:
             compiled(*trace_values)
     except _JointCaptured as c:
-        joint, num_fwd_outputs = c.joint, c.num_fwd_outputs
+        return c.joint, c.num_fwd_outputs
     except _DATA_DEPENDENT_ERRORS as e:
         raise UnsupportedGraph(
             "the training step depends on tensor values (.item(), a Python branch on a "
@@ -326,30 +358,27 @@ def trace_joint(
             "torch.utils.checkpoint, custom autograd.Function without a functional "
             "backward) must be replaced or kept outside the traced model."
         ) from e
-    else:  # pragma: no cover - aot_function always partitions when a grad is needed
-        raise RematError(
-            "AOTAutograd produced no joint graph: no parameter or input requires grad"
-        )
-    if num_fwd_outputs != 1:
-        raise UnsupportedGraph(
-            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
-            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
-            "statistics in train mode) or returns an alias of an input. Put such layers "
-            "in eval mode or remove the mutation."
-        )
-    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-    primals = [n.name for n in placeholders if n.name.startswith("primals")]
-    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
-    if len(primals) != len(primal_values):
-        raise UnsupportedGraph(
-            f"the joint graph has {len(primals)} primals for {len(primal_values)} inputs"
-        )
-    tangent_values = []
+    raise RematError("AOTAutograd produced no joint graph: no parameter or input requires grad")
+
+
+def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str]) -> list[torch.Tensor]:
+    """``ones`` of each tangent placeholder's shape (the gradient of a scalar loss)."""
+    out = []
     for name in tangents:
         val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
         shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
-        tangent_values.append(torch.ones(shape, dtype=val.dtype, device=val.device))
-    named_symbols: dict[str, Any] = {}
+        out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
+    return out
+
+
+def _named_symbols(dims_of_symbol: Mapping[str, list[tuple[int, int]]], trace_values: Sequence[Any],
+                   shape_env: Any, primal_labels: Sequence[str]) -> dict[str, Any]:
+    """The user's name of each symbol -> the sympy Symbols AOTAutograd used for it.
+
+    Raises:
+        UnsupportedGraph: the trace specialized a named size to one value.
+    """
+    named: dict[str, Any] = {}
     for name, dims in dims_of_symbol.items():
         exprs = []
         for flat_index, dim in dims:
@@ -364,20 +393,8 @@ def trace_joint(
                 )
             if expr not in exprs:
                 exprs.append(expr)
-        named_symbols[name] = tuple(exprs)
-    return JointGraph(
-        gm=joint,
-        primals=primals,
-        tangents=tangents,
-        num_fwd_outputs=num_fwd_outputs,
-        primal_values=primal_values,
-        primal_kinds=primal_kinds,
-        primal_labels=primal_labels,
-        tangent_values=tangent_values,
-        model=model,
-        symbols=named_symbols,
-        shape_env=shape_env,
-    )
+        named[name] = tuple(exprs)
+    return named
 
 
 def _symbolic_inputs(

@@ -103,7 +103,7 @@ def test_training_equals_eager(name, dropout, sched):
     for bit (CPU, eager compiler; with dropout, eager with the same seeds)."""
     start, loss_of, eager_losses, eager_params = _eager_run(name, dropout)
     method, k = SCHEDULES[sched]
-    b = remat_pass.backend(schedule=method, num_layers=k)
+    b = remat_pass.backend(schedule=method, recompute_num_layers=k)
     model = copy.deepcopy(start)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphBreakWarning)  # GPT-2's loss graph break
@@ -134,7 +134,7 @@ def test_report_equals_traced_pipeline():
     for sch in (schedules.uniform(2, 3), schedules.none(3)):
         torch._dynamo.reset()
         _, expected, _ = session.prepare(sch)
-        b = remat_pass.backend(sch.method, sch.k)
+        b = remat_pass.backend(sch.method, sch.recompute_num_layers)
         # targets from the batch, as tiny_gpt's loss_fn (a captured constant would be
         # a graph input under Dynamo but a constant in trace_joint's graph)
         step = torch.compile(
@@ -373,9 +373,9 @@ def test_report_dir_option_and_env(tmp_path, monkeypatch):
     "kwargs,error,words",
     [
         ({"schedule": "sometimes"}, InvalidSchedule, "none, uniform, block"),
-        ({"schedule": "uniform", "num_layers": 0}, InvalidSchedule, "1..L"),
-        ({"schedule": "uniform", "num_layers": None}, InvalidSchedule, "1..L"),
-        ({"schedule": "block", "num_layers": -1}, InvalidSchedule, "0..L"),
+        ({"schedule": "uniform", "recompute_num_layers": 0}, InvalidSchedule, "1..L"),
+        ({"schedule": "uniform", "recompute_num_layers": None}, InvalidSchedule, "1..L"),
+        ({"schedule": "block", "recompute_num_layers": -1}, InvalidSchedule, "0..L"),
         ({"schedule": "uniform", "budget_bytes": 10}, InvalidSchedule, "optimized"),
         ({"schedule": "optimized"}, InvalidSchedule, "needs budget_bytes"),
         ({"schedule": "optimized", "budget_bytes": -5}, InvalidSchedule, "integer > 0"),
@@ -388,8 +388,11 @@ def test_option_errors(kwargs, error, words):
 
 
 def test_option_errors_at_compile_and_registered_options():
-    with pytest.raises(InvalidBackendOption, match="schedule, num_layers"):
+    with pytest.raises(InvalidBackendOption, match="schedule, recompute_num_layers"):
         registered_backend({"schedul": "uniform"})
+    # the old name of recompute_num_layers still works, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match="recompute_num_layers"):
+        assert registered_backend({"schedule": "uniform", "num_layers": 2}).options.recompute_num_layers == 2
     # K larger than the stack: found when the graph compiles, and the message names L
     model, loss_of = _model("tiny", 0.0)
     b = remat_pass.backend("uniform", 9)
@@ -406,7 +409,7 @@ def test_registered_name():
     assert "remat" in list_backends()
     start, loss_of, eager_losses, eager_params = _eager_run("tiny", 0.0)
     model = copy.deepcopy(start)
-    options = {"schedule": "uniform", "num_layers": 2}
+    options = {"schedule": "uniform", "recompute_num_layers": 2}
     losses = _train(torch.compile(model, backend="remat", options=options), loss_of)
     assert all(torch.equal(a, b_) for a, b_ in zip(losses, eager_losses))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_params))

@@ -18,7 +18,7 @@ def test_sweep_json_every_row(tmp_path, capsys):
     assert "[ 8/8] block(N=3)" in captured.err  # progress: 1 + 3 + 4 rows
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [(r["schedule"], r["k"]) for r in rows] == (
+    assert [(r["schedule"], r["recompute_num_layers"]) for r in rows] == (
         [("none", None)] + [("uniform", k) for k in (1, 2, 3)] + [("block", n) for n in range(4)]
     )
     for r in rows:

@@ -7,19 +7,17 @@ import json
 import pytest
 
 from remat_pass import schedule
-from remat_pass.cli import main
+from remat_pass.cli import EXIT_USAGE, main
 from remat_pass.gate import (
     EXIT_FAILED,
     EXIT_OK,
-    EXIT_USAGE,
     check_budget,
     check_regression,
     explain_growth,
-    parse_bytes,
-    parse_fraction,
     run_gate,
 )
-from remat_pass.report import fmt_bytes, report_json, reports_document, write_json
+from remat_pass.formatting import fmt_bytes, parse_bytes, parse_fraction
+from remat_pass.report import report_json, reports_document, write_json
 from remat_pass.sweep import Session
 
 CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3"]
@@ -135,7 +133,7 @@ def test_cli_check_exit_codes(tmp_path, capsys, small):
     assert "EXCEEDS the budget" in capsys.readouterr().out
     # a schedule the baseline lacks
     write_json(tmp_path / "none_only.json", reports_document([small]))
-    assert main(["check", *CHAIN, "--batch", "64", "--schedule", "uniform", "--num-layers", "2",
+    assert main(["check", *CHAIN, "--batch", "64", "--schedule", "uniform", "--recompute-num-layers", "2",
                  "--baseline", str(tmp_path / "none_only.json")]) == EXIT_FAILED
     capsys.readouterr()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from remat_pass.measure import grads_bitwise_equal, max_abs_diff, run_step

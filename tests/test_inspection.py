@@ -15,13 +15,12 @@ from remat_pass.inspection import (
     dump_step,
     live_bytes_by_layer,
     load_dump,
-    measured_step_timeline,
     node_table,
     render,
     storage_intervals,
 )
 from remat_pass.liveness import analyze
-from remat_pass.measure import measure_step
+from remat_pass.measure import measure_step, measured_step_timeline
 from remat_pass.sweep import Session
 
 CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3"]
@@ -48,7 +47,7 @@ def test_intervals_sum_to_the_liveness_timeline(gpt2_session, allocator):
         n = len(report.timeline)
         live = [0] * n
         for iv in storage_intervals(step, allocator):
-            for i in range(iv.first_step, iv.last_step + 1):
+            for i in range(iv.first, iv.last + 1):
                 live[i] += iv.nbytes
         assert live == [t.live_bytes for t in report.timeline], sched.provenance
         labels, rows = live_bytes_by_layer(step, allocator)
@@ -152,7 +151,7 @@ def test_measured_timeline_on_gpt2_matches_the_peak(gpt2_session):
 
 
 def test_cli_inspect_model_and_graph(tmp_path, capsys):
-    assert main(["inspect", *CHAIN, "--schedule", "uniform", "--num-layers", "2", "--dump", str(tmp_path)]) == 0
+    assert main(["inspect", *CHAIN, "--schedule", "uniform", "--recompute-num-layers", "2", "--dump", str(tmp_path)]) == 0
     live = capsys.readouterr().out
     assert "== recompute segments, in run order ==" in live and "recomputed" in live
     (path,) = tmp_path.glob("*" + DUMP_SUFFIX)
@@ -162,7 +161,7 @@ def test_cli_inspect_model_and_graph(tmp_path, capsys):
 
 def test_cli_inspect_errors(tmp_path, capsys):
     assert main(["inspect", *CHAIN, "--schedule", "uniform"]) == 2
-    assert "--num-layers" in capsys.readouterr().err
+    assert "--recompute-num-layers" in capsys.readouterr().err
     assert main(["inspect", *CHAIN, "--schedule", "uniform", "--num-layers", "9"]) == 2
     (tmp_path / "x.json").write_text("[]")
     assert main(["inspect", "--graph", str(tmp_path / "x.json")]) == 2
@@ -172,11 +171,11 @@ def test_cli_inspect_errors(tmp_path, capsys):
 def test_storage_intervals_fields(chain_session):
     step, report, _ = chain_session.prepare(schedule.none(3))
     ivs = storage_intervals(step)
-    assert all(iv.first_step <= iv.last_step for iv in ivs)
+    assert all(iv.first <= iv.last for iv in ivs)
     kinds = {iv.kind for iv in ivs}
     assert {"saved", "gradient", "output"} <= kinds
     grads = [iv for iv in ivs if iv.kind == "gradient"]
-    assert all(iv.last_step == len(report.timeline) - 1 for iv in grads)
+    assert all(iv.last == len(report.timeline) - 1 for iv in grads)
     assert torch.is_tensor(chain_session.joint.primal_values[0])
 
 
@@ -187,7 +186,7 @@ def test_inspect_a_dump_written_by_the_torch_compile_backend(tmp_path, capsys):
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, hidden=32, heads=2, layers=4, seq=16)
-    b = backend_module.backend(schedule="uniform", num_layers=2, report_dir=tmp_path)
+    b = backend_module.backend(schedule="uniform", recompute_num_layers=2, report_dir=tmp_path)
     torch.compile(model, backend=b)(torch.randint(0, 64, (2, 16))).sum().backward()
     dumps = sorted(tmp_path.glob("*" + DUMP_SUFFIX))
     assert dumps

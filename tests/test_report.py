@@ -10,18 +10,16 @@ import pytest
 from remat_pass import schedule
 from remat_pass.cli import main
 from remat_pass.liveness import analyze
+from remat_pass.formatting import fmt_bytes, mib, text_table
+from remat_pass.plot import plot_timeline
 from remat_pass.report import (
     SCHEMA_FILE,
     SCHEMA_VERSION,
-    fmt_bytes,
-    mib,
-    plot_timeline,
     read_reports,
     report_json,
     report_markdown,
     reports_document,
     schema,
-    text_table,
     write_json,
 )
 from remat_pass.sweep import Session
@@ -75,7 +73,8 @@ def test_schema_rejects_broken_documents(gpt2_session):
     good = report_json(report, step)
     for broken in (
         {k: v for k, v in good.items() if k != "peak_bytes"},
-        {**good, "schema_version": 2},
+        {**good, "schema_version": SCHEMA_VERSION + 1},
+        {**good, "schedule": {**good["schedule"], "k": 3}},  # the version-1 name
         {**good, "peak_bytes": -1},
         {**good, "peak": {**good["peak"], "phase": "sideways"}},
         {**good, "live_at_peak_by_layer": {"layer 0": 3}},
@@ -114,6 +113,18 @@ def test_read_reports_round_trip_and_errors(chain_session, tmp_path):
     write_json(tmp_path / "future.json", {**one, "schema_version": SCHEMA_VERSION + 1})
     with pytest.raises(ValueError, match="schema_version"):
         read_reports(tmp_path / "future.json")
+    # schema_version 1 (schedule.k) is still read, as version 2
+    sched = {("k" if k == "recompute_num_layers" else k): v for k, v in one["schedule"].items()}
+    write_json(tmp_path / "v1.json", reports_document([{**one, "schema_version": 1, "schedule": sched}]) | {"schema_version": 1})
+    assert read_reports(tmp_path / "v1.json") == [one]
+    # a missing or mistyped field names the file and the field
+    broken = {k: v for k, v in one.items() if k != "peak_bytes"}
+    write_json(tmp_path / "missing.json", broken)
+    with pytest.raises(ValueError, match="missing.json.*peak_bytes"):
+        read_reports(tmp_path / "missing.json")
+    write_json(tmp_path / "negative.json", {**one, "peak_bytes": -5})
+    with pytest.raises(ValueError, match="field peak_bytes"):
+        read_reports(tmp_path / "negative.json")
 
 
 def test_markdown_names_peak_where_live_and_saved(gpt2_session):
@@ -132,7 +143,7 @@ def test_markdown_names_peak_where_live_and_saved(gpt2_session):
 
 
 def test_plot_timeline_writes_pngs(chain_session, tmp_path):
-    from remat_pass.inspection import measured_step_timeline
+    from remat_pass.measure import measured_step_timeline
     from remat_pass.measure import measure_step
 
     step, report, _ = chain_session.prepare(schedule.uniform(1, 3))
@@ -159,7 +170,7 @@ def test_existing_table_helpers_keep_working():
 
 
 def test_cli_report_writes_valid_json_markdown_png(tmp_path, capsys):
-    args = [*CHAIN, "--schedule", "uniform", "--num-layers", "1"]
+    args = [*CHAIN, "--schedule", "uniform", "--recompute-num-layers", "1"]
     assert main(["report", *args, "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png"),
                  "--measure", "--timeline"]) == 0
     out = capsys.readouterr().out

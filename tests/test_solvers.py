@@ -79,29 +79,31 @@ def test_negative_recompute_budget():
 
 torch = pytest.importorskip("torch")
 from remat_pass import schedule as S  # noqa: E402
-from remat_pass.symbolic import Planner  # noqa: E402
+from remat_pass.planner import Planner  # noqa: E402
 from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
 from conftest import load_hetero  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def hetero_planner() -> Planner:
+def hetero_planner() -> tuple[Session, Planner]:
     model, inputs, loss_fn = load_hetero().hetero_gpt(batch=3, seq=16, layers=5)
-    return Planner(Session.create(model, inputs, loss_fn))
+    session = Session.create(model, inputs, loss_fn)
+    return session, Planner(session.joint, session.stack, session.report)
 
 
 @pytest.fixture(scope="module")
-def gpt2_planner() -> Planner:
+def gpt2_planner() -> tuple[Session, Planner]:
     pytest.importorskip("transformers")
     from remat_pass.models import gpt2
 
     model, inputs, loss_fn = gpt2(batch=2, seq=32, layers=3, hidden=64, heads=4, vocab=128, dropout=0.1)
-    return Planner(Session.create(model, inputs, loss_fn))
+    session = Session.create(model, inputs, loss_fn)
+    return session, Planner(session.joint, session.stack, session.report)
 
 
 @pytest.mark.parametrize("which", ["hetero_planner", "gpt2_planner"])
 def test_model_peak_equals_liveness_for_every_schedule(which, request):
-    planner: Planner = request.getfixturevalue(which)
+    _, planner = request.getfixturevalue(which)
     L = planner.model.num_layers
     every = all_groupings(L)
     for groups in random.Random(0).sample(every, min(len(every), 25)):
@@ -120,8 +122,7 @@ def _budget_table(planner: Planner, n: int = 6):
 
 @pytest.mark.parametrize("which", ["hetero_planner", "gpt2_planner"])
 def test_budgets_bound_measured_peak_and_beat_megatron(which, request):
-    planner: Planner = request.getfixturevalue(which)
-    session = planner.session
+    session, planner = request.getfixturevalue(which)
     L = planner.model.num_layers
     megatron = [(s, planner.report(s)) for s in megatron_schedules(L)]
     budgets, plans = _budget_table(planner)
@@ -144,8 +145,9 @@ def test_budgets_bound_measured_peak_and_beat_megatron(which, request):
 
 
 def test_budget_below_least_feasible_raises(hetero_planner):
-    least = hetero_planner.least_feasible()[1]
+    _, planner = hetero_planner
+    least = planner.least_feasible()[1]
     with pytest.raises(InfeasibleBudget) as e:
-        hetero_planner.plan(least - 1)
+        planner.plan(least - 1)
     assert e.value.least_feasible_peak_bytes == least
-    assert hetero_planner.plan(least).predicted_peak_bytes <= least
+    assert planner.plan(least).predicted_peak_bytes <= least

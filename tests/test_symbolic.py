@@ -8,12 +8,16 @@ import pytest
 import sympy
 import torch
 
+from solvers import closed_forms
+
 from remat_pass import schedule as S
 from remat_pass.liveness import analyze
 from remat_pass.measure import measure_step
 from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite
-from remat_pass.symbolic import default_symbols, model_text, parse_bytes, trace_symbolic
+from remat_pass.formatting import parse_bytes
+from remat_pass.report import symbolic_model_text
+from remat_pass.symbolic import default_symbols, trace_symbolic
 from remat_pass.sweep import megatron_schedules
 from remat_pass.trace import trace_joint
 
@@ -67,21 +71,22 @@ def test_aggregates_and_closed_forms_are_polynomials():
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs))
     agg = sm.aggregates()
     b, s = sm.symbol("batch"), sm.symbol("seq")
-    for key in ("s", "a", "forward_flops"):
+    for key in ("checkpoint_bytes", "stored_layer_bytes", "forward_flops"):
         assert len(agg[key]) == sm.num_layers
         for v in agg[key]:
-            assert sympy.Poly(v, b, s).is_polynomial if hasattr(sympy.Poly(v, b, s), "is_polynomial") else True
+            # a polynomial in batch and seq with integer coefficients (raises otherwise)
+            poly = sympy.Poly(v, b, s)
+            assert all(c.is_integer for c in poly.coeffs()), v
+            assert poly.free_symbols <= {b, s}
     # the layers differ (MLP widths, attention or not)
-    assert len({sympy.expand(v) for v in agg["a"]}) > 1
+    assert len({sympy.expand(v) for v in agg["stored_layer_bytes"]}) > 1
     cf = sm.closed_forms()
-    K, L = sympy.symbols("K L", positive=True, integer=True)
-    assert K in cf["peak_uniform"].free_symbols and b in cf["peak_uniform"].free_symbols
+    K = closed_forms.K
+    assert K in cf.peak_uniform.free_symbols and b in cf.peak_uniform.free_symbols
     # a group of one saves its output: s is far below a stored layer's a
     at = {b: 3, s: 32}
-    assert 0 < cf["s"].subs(at) < cf["a"].subs(at)
-    # uniform(K) with K = L is one group: the closed form is the chain model, which
-    # reproduces uniform(L) exactly at the traced shape for a homogeneous stack
-    text = model_text(sm)
+    assert 0 < cf.checkpoint_bytes.subs(at) < cf.stored_layer_bytes.subs(at)
+    text = symbolic_model_text(sm)
     assert "peak_uniform(K)" in text and "\\mathrm{peak}" in text
 
 

@@ -1,0 +1,130 @@
+"""The options of the torch.compile backend, validated when the backend is made.
+
+One value (``BackendOptions``, frozen and hashable) holds what ``remat_pass.backend(...)``
+or ``torch.compile(backend="remat", options={...})`` was given. K and N are validated
+with the same rules as the Python API (``schedule.py``), except the upper bound L, which
+is known only when a graph is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+from . import schedule as schedules
+from .errors import InvalidOption, InvalidSchedule
+
+SCHEDULES = ("none", "uniform", "block", "optimized")
+COMPILERS = ("eager", "inductor")
+OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir")
+DEPRECATED_KEYS = {"num_layers": "recompute_num_layers"}
+REPORT_DIR_ENV = "REMAT_PASS_REPORT_DIR"
+
+
+class InvalidBackendOption(InvalidOption):
+    """A backend option other than the schedule (compiler, layers, report_dir, an
+    unknown key) is not one the backend accepts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Options of the remat backend (the keys of ``torch.compile(options=...)``).
+
+    Attributes:
+        schedule: ``"none"``, ``"uniform"`` or ``"block"`` (Megatron-LM's
+            ``--recompute-method``), or ``"optimized"``: per compiled graph, the
+            least-recompute groups whose predicted peak fits ``budget_bytes``
+            (``planner.Planner``: the chain-model solver, checked by liveness).
+        recompute_num_layers: K for uniform (1..L), N for block (0..L), Megatron-LM's
+            ``--recompute-num-layers``; ignored for none. L, the number of layers of the
+            stack, is checked when a graph is compiled.
+        budget_bytes: for ``optimized``: the peak activation bytes allowed per compiled
+            graph (static memory excluded, as ``MemoryReport.peak_bytes``).
+        compiler: ``"eager"`` (run the fx graphs) or ``"inductor"``.
+        layers: module path of the layer stack relative to the compiled module
+            (``"transformer.h"``); None to find it.
+        report_dir: folder to write every graph's report to (JSON, Markdown and a
+            ``remat-pass inspect`` dump); None reads ``$REMAT_PASS_REPORT_DIR``
+            (unset: nothing is written).
+
+    Raises:
+        InvalidSchedule: unknown schedule, K / N not an integer in range, a budget
+            without ``optimized``, ``optimized`` without a positive integer budget.
+        InvalidBackendOption: unknown compiler, or ``layers`` / ``report_dir`` of the
+            wrong type.
+    """
+
+    schedule: str = "uniform"
+    recompute_num_layers: int | None = 4
+    budget_bytes: int | None = None
+    compiler: str = "eager"
+    layers: str | None = None
+    report_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InvalidSchedule(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        k = self.recompute_num_layers
+        if self.schedule in ("uniform", "block"):
+            low = 1 if self.schedule == "uniform" else 0
+            name = "K" if self.schedule == "uniform" else "N"
+            if not isinstance(k, int) or isinstance(k, bool) or k < low:
+                raise InvalidSchedule(
+                    f"{self.schedule} needs recompute_num_layers={name}, an integer in {low}..L "
+                    f"(L: the layers of the stack); got {k!r}"
+                )
+        if self.budget_bytes is not None and self.schedule != "optimized":
+            raise InvalidSchedule(
+                f"budget_bytes={self.budget_bytes!r} applies only to schedule='optimized'; "
+                f"schedule={self.schedule!r} takes recompute_num_layers"
+            )
+        if self.schedule == "optimized":
+            b = self.budget_bytes
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise InvalidSchedule(
+                    "schedule='optimized' needs budget_bytes, the peak activation bytes "
+                    f"allowed per compiled graph, an integer > 0; got {b!r}"
+                )
+        if self.compiler not in COMPILERS:
+            raise InvalidBackendOption(f"compiler={self.compiler!r} is not one of {', '.join(COMPILERS)}")
+        if self.layers is not None and not isinstance(self.layers, str):
+            raise InvalidBackendOption(
+                f"layers must be a module path such as 'transformer.h', got {self.layers!r}"
+            )
+        if self.report_dir is not None and not isinstance(self.report_dir, (str, os.PathLike)):
+            raise InvalidBackendOption(f"report_dir must be a folder path, got {self.report_dir!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> "BackendOptions":
+        """From ``torch.compile(options=...)``; ``num_layers`` (the old name of
+        ``recompute_num_layers``) is accepted with a DeprecationWarning.
+
+        Raises:
+            InvalidBackendOption: a key outside ``OPTION_KEYS``.
+            InvalidSchedule: as the constructor.
+        """
+        options = dict(options or {})
+        for old, new in DEPRECATED_KEYS.items():
+            if old in options:
+                warnings.warn(f"remat backend option {old!r} is deprecated (it is K or N, not the number of "
+                              f"layers L); use {new!r}", DeprecationWarning, stacklevel=3)
+                options.setdefault(new, options.pop(old))
+        unknown = sorted(set(options) - set(OPTION_KEYS))
+        if unknown:
+            raise InvalidBackendOption(
+                f"unknown remat backend option(s) {unknown}; the options are {', '.join(OPTION_KEYS)}"
+            )
+        return cls(**options)
+
+    def make_schedule(self, num_layers: int) -> schedules.Schedule:
+        """The Schedule for a stack of ``num_layers`` layers (``none`` for
+        ``optimized``, which the backend solves per graph).
+
+        Raises:
+            InvalidSchedule: K / N outside the range L allows (the message names L).
+        """
+        if num_layers == 0 or self.schedule in ("none", "optimized"):
+            return schedules.none(num_layers)
+        return schedules.make(self.schedule, self.recompute_num_layers, num_layers)

@@ -1,0 +1,272 @@
+"""Pure transforms of fx graphs for the torch.compile backend: AOTAutograd's calling
+convention, the input-mutation epilogue, concrete sizes for analysis.
+
+Each function takes graphs and returns new ones (inputs are never modified); they hold
+no state and know nothing of Dynamo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from .errors import UnsupportedGraph
+from .rewrite import RewrittenStep
+from .trace import JointGraph
+
+
+def is_sym_node(node: Any) -> bool:
+    """Whether ``node``'s value is a SymInt / SymFloat / SymBool or a Python number."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def is_symbolic_tensor(val: Any) -> bool:
+    """Whether ``val`` is a tensor with a symbolic size, stride or offset."""
+    return isinstance(val, torch.Tensor) and any(
+        not isinstance(d, int) for d in (*val.shape, *val.stride(), val.storage_offset())
+    )
+
+
+def size_hint(x: Any) -> int:
+    """The example value of a (possibly symbolic) size; adds no guard."""
+    return int(optimization_hint(x, fallback=1))
+
+
+def concrete_step(step: RewrittenStep) -> tuple[RewrittenStep, bool]:
+    """``step`` with symbolic sizes replaced by their hints (meta tensors), aliasing kept.
+
+    Returns ``(step, False)`` unchanged when every size is an int. Adds no guard.
+    """
+    graphs = (step.forward.graph, step.backward.graph)
+    if not any(is_symbolic_tensor(n.meta.get("val")) for g in graphs for n in g.nodes):
+        return step, False
+    bases: dict[int, torch.Tensor] = {}
+
+    def concrete(val: Any) -> Any:
+        if isinstance(val, (tuple, list)):
+            return type(val)(concrete(v) for v in val)
+        if not isinstance(val, torch.Tensor):
+            return val
+        storage = val.untyped_storage()
+        key = storage._cdata
+        if key not in bases:
+            bases[key] = torch.empty(size_hint(storage.nbytes()), dtype=torch.uint8, device="meta")
+        out = torch.empty((), dtype=val.dtype, device="meta")
+        out.set_(
+            bases[key].untyped_storage(),
+            size_hint(val.storage_offset()),
+            [size_hint(d) for d in val.shape],
+            [size_hint(s) for s in val.stride()],
+        )
+        return out
+
+    def copy(gm: fx.GraphModule) -> fx.GraphModule:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        out = g.graph_copy(gm.graph, env)
+        g.output(out)
+        for old, new in env.items():
+            new.meta = dict(old.meta)
+            if "val" in old.meta:
+                new.meta["val"] = concrete(old.meta["val"])
+        return fx.GraphModule(gm, g, class_name=type(gm).__name__)
+
+    return dataclasses.replace(step, forward=copy(step.forward), backward=copy(step.backward)), True
+
+
+def split_input_mutations(
+    joint: fx.GraphModule, primals: Sequence[str]
+) -> tuple[fx.GraphModule, list[tuple[str, str]]]:
+    """The joint graph without its input-mutation epilogue, and that epilogue.
+
+    AOTAutograd keeps a mutation of a primal (BatchNorm's running statistics in train
+    mode) in the joint as ``aten.copy_(primal, new_value)`` with no users, at the end
+    of forward. The rewrite refuses in-place ops, so they are taken out here and put
+    back at the end of the forward graph by ``aot_graphs``.
+
+    Returns:
+        ``(joint without those copy_ nodes, [(primal name, new value's node name)])``;
+        ``joint`` itself is not modified.
+    """
+    primal_set = set(primals)
+    drop = [
+        n for n in joint.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+        and isinstance(n.args[0], fx.Node) and n.args[0].name in primal_set and not n.users
+    ]
+    if not drop:
+        return joint, []
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    dropped = set(drop)
+    for n in joint.graph.nodes:
+        if n in dropped:
+            continue
+        if n.op == "output":
+            g.output(fx.node.map_arg(n.args[0], env.__getitem__))
+            continue
+        env[n] = g.node_copy(n, env.__getitem__)
+        env[n].meta = dict(n.meta)
+    g.lint()
+    return fx.GraphModule(joint, g), [(n.args[0].name, n.args[1].name) for n in drop]
+
+
+def aot_graphs(
+    step: RewrittenStep, mutations: Sequence[tuple[str, str]] = ()
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``step``'s graphs in AOTAutograd's calling convention.
+
+    ``forward(*primals) -> (*fwd_outputs, *saved_tensors, *saved_symints)`` and
+    ``backward(*saved_symints, *saved_tensors, *tangents) -> one gradient per primal``,
+    as ``torch._functorch.partitioners._extract_fwd_bwd_modules`` builds them. The
+    primals backward reads (``step.backward_primal_indices``) are saved tensors (or
+    SymInts) returned by forward. ``step`` is not modified.
+
+    ``mutations`` (``split_input_mutations``): each ``(primal, value)`` becomes
+    ``aten.copy_(primal, value)`` at the end of forward, as AOTAutograd placed it. A
+    recomputed node that reads a mutated primal must see the value forward saw: forward
+    saves a clone of the primal taken before the mutation, and the recompute reads it
+    (backward nodes read the primal itself, as under AOTAutograd's own partition).
+    """
+    fw = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out_args = fw.graph_copy(step.forward.graph, env)
+    k = step.num_fwd_outputs
+    fwd_outs, saved_outs = list(out_args[:k]), list(out_args[k:])
+    placeholders = {n.name: n for n in fw.nodes if n.op == "placeholder"}
+    by_name = {n.name: n for n in fw.nodes}
+    bw_src = [n for n in step.backward.graph.nodes if n.op == "placeholder"]
+    n_saved = len(step.saved)
+    bw_primals = bw_src[n_saved : n_saved + len(step.backward_primal_indices)]
+    tangents = bw_src[n_saved + len(bw_primals) :]
+    saved_fw = saved_outs + [placeholders[p.name] for p in bw_primals]
+    saved_bw: list[Any] = bw_src[: n_saved + len(bw_primals)]
+
+    # pre-mutation clones for recomputed readers of a mutated primal
+    stale: dict[str, fx.Node] = {}  # primal name -> its pre-mutation clone (forward)
+    recompute_readers = {
+        a.name
+        for n in step.backward.graph.nodes
+        if step.kind_of.get(n.name) == "recompute"
+        for a in n.all_input_nodes
+        if a.op == "placeholder"
+    }
+    last_placeholder = [n for n in fw.nodes if n.op == "placeholder"][-1]
+    for dst, src in mutations:
+        if dst in recompute_readers:
+            with fw.inserting_after(last_placeholder):
+                pre = fw.create_node("call_function", torch.ops.aten.clone.default,
+                                     (placeholders[dst],), name=f"{dst}_before_mutation")
+            pre.meta = dict(placeholders[dst].meta)
+            stale[dst] = pre
+            saved_fw.append(pre)
+            saved_bw.append(pre)  # stands in for its backward placeholder
+    sym = [i for i, n in enumerate(saved_fw) if is_sym_node(n)]
+    tensors = [i for i in range(len(saved_fw)) if i not in set(sym)]
+    for dst, src in mutations:
+        fw.call_function(torch.ops.aten.copy_.default, (placeholders[dst], by_name[src]))
+    fw.output([*fwd_outs, *(saved_fw[i] for i in tensors), *(saved_fw[i] for i in sym)])
+    fw.lint()
+
+    bw = fx.Graph()
+    benv: dict[Any, fx.Node] = {}
+    for src in [*(saved_bw[i] for i in sym), *(saved_bw[i] for i in tensors), *tangents]:
+        ph = bw.placeholder(src.name)
+        ph.meta = dict(src.meta)
+        benv[src] = ph
+    clone_ph = {dst: benv[pre] for dst, pre in stale.items()}
+    for n in step.backward.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            bw.output(fx.node.map_arg(n.args[0], benv.__getitem__))
+            continue
+        if step.kind_of.get(n.name) == "recompute" and stale:
+            def lookup(a: fx.Node) -> fx.Node:
+                if a.op == "placeholder" and a.name in clone_ph:
+                    return clone_ph[a.name]
+                return benv[a]
+
+            benv[n] = bw.node_copy(n, lookup)
+        else:
+            benv[n] = bw.node_copy(n, benv.__getitem__)
+    bw.lint()
+    return (
+        fx.GraphModule(step.forward, fw, class_name="RematForward"),
+        fx.GraphModule(step.backward, bw, class_name="RematBackward"),
+    )
+
+
+def boundary_bytes(step: RewrittenStep) -> int:
+    """Bytes of the distinct storages of the forward graph's outputs (not its inputs)."""
+    out = step.forward.graph.output_node()
+    placeholders = {n for n in step.forward.graph.nodes if n.op == "placeholder"}
+    inputs = {n.meta["val"].untyped_storage()._cdata for n in placeholders
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    seen: set[int] = set()
+    total = 0
+    for a in out.args[0][: step.num_fwd_outputs]:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            key = val.untyped_storage()._cdata
+            if key not in seen and key not in inputs:
+                seen.add(key)
+                total += int(val.untyped_storage().nbytes())
+    return total
+
+
+def dynamo_joint(
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_indices: Sequence[int],
+    labels: Sequence[str],
+    graph_id: str,
+) -> tuple[JointGraph, list[tuple[str, str]]]:
+    """The JointGraph of a joint graph AOTAutograd built for Dynamo, and its
+    input-mutation epilogue (``split_input_mutations``).
+
+    Args:
+        joint: AOTAutograd's joint graph (``primals_*`` then ``tangents_*``).
+        num_fwd_outputs: its number of forward outputs.
+        static_indices: primals with a static lifetime (parameters, buffers).
+        labels: a label per primal (Dynamo's placeholder names), or anything of another
+            length to label them by their placeholder names.
+        graph_id: Dynamo's compile id, for messages.
+
+    Returns:
+        ``(JointGraph with model None and fake example values, [(primal, value)])``.
+
+    Raises:
+        UnsupportedGraph: a placeholder is neither a primal nor a tangent (RNG
+            functionalization, ``torch._functorch.config.functionalize_rng_ops``, is on).
+    """
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    primals = [n.name for n in placeholders if n.name.startswith("primals")]
+    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    other = [n.name for n in placeholders if n.name not in primals and n.name not in tangents]
+    if other:
+        raise UnsupportedGraph(
+            f"graph {graph_id}: joint placeholders {other} are neither primals nor tangents (RNG "
+            "functionalization, torch._functorch.config.functionalize_rng_ops, is on?); the remat "
+            "backend replays RNG state itself: turn that option off"
+        )
+    joint, mutations = split_input_mutations(joint, primals)
+    static = set(static_indices)
+    vals = {n.name: n.meta.get("val") for n in placeholders}
+    joint_graph = JointGraph(
+        gm=joint,
+        primals=primals,
+        tangents=tangents,
+        num_fwd_outputs=num_fwd_outputs,
+        primal_values=[vals[p] for p in primals],
+        primal_kinds=["param" if i in static else "input" for i in range(len(primals))],
+        primal_labels=list(labels) if len(labels) == len(primals) else primals,
+        tangent_values=[vals[t] for t in tangents],
+        model=None,  # Dynamo hands over a graph, not a module
+    )
+    return joint_graph, mutations

@@ -1,0 +1,109 @@
+"""Draw a predicted (and measured) memory timeline as a PNG (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .formatting import MIB
+from .inspection import live_bytes_by_layer
+from .liveness import MemoryReport
+from .report import where
+from .rewrite import RewrittenStep
+
+
+def plot_timeline(
+    report: MemoryReport,
+    path: str | Path,
+    measured_timeline: Sequence[int] | None = None,
+    *,
+    step: RewrittenStep | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw live activation bytes over the forward and backward steps as a PNG.
+
+    The predicted bytes are stacked by the layer that allocated them when ``step`` is
+    given (``inspection.live_bytes_by_layer``; the stack's top is the timeline), else
+    drawn as one area. A dashed line splits forward from backward; the peak is marked
+    and labelled with its node and layer.
+
+    ``measured_timeline`` is overlaid as a black line:
+
+    - one value per step (``len == len(report.timeline)``, from
+      ``inspection.measured_step_timeline``): drawn on the same x axis;
+    - anything else (e.g. ``Measurement.timeline_bytes``, one value per allocator
+      event): its steps are not graph steps, so it is drawn against its own top x axis
+      (allocator event index) and labelled so.
+
+    Args:
+        report: ``liveness.analyze`` output; path: the PNG to write.
+        measured_timeline: measured bytes (see above), or None.
+        step: the rewritten step, to stack by layer.
+        title: the plot title (default: the schedule and the peak).
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install 'remat-pass[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "plot_timeline needs matplotlib: pip install 'remat-pass[plot]' (or pip install matplotlib)"
+        ) from e
+    path = Path(path)
+    n = len(report.timeline)
+    xs = list(range(n))
+    total = [t.live_bytes / MIB for t in report.timeline]
+    fig, ax = plt.subplots(figsize=(13, 5.5), dpi=110)
+    if step is not None:
+        labels, rows = live_bytes_by_layer(step, report.allocator)
+        if labels and labels[0] == "outer":  # outer on top: its spikes do not lift the layers
+            labels, rows = labels[1:] + labels[:1], rows[1:] + rows[:1]
+        cmap = plt.get_cmap("tab20")
+        colors = ["#bbbbbb" if lab == "outer" else cmap((j % 20) / 20 + 0.001) for j, lab in enumerate(labels)]
+        ax.stackplot(xs, [[b / MIB for b in r] for r in rows], labels=labels, colors=colors, linewidth=0)
+    else:
+        ax.fill_between(xs, total, color="#4c72b0", alpha=0.6, linewidth=0, label="predicted (all layers)")
+    ax.plot(xs, total, color="#1f1f1f", linewidth=0.6, alpha=0.7, label="predicted total")
+    n_fw = sum(1 for t in report.timeline if t.phase == "forward")
+    ax.axvline(n_fw - 0.5, color="#555555", linestyle="--", linewidth=1)
+    top = max(total) if total else 0
+    ax.text(n_fw / 2, top * 1.02, "forward", ha="center", va="bottom", fontsize=9, color="#555555")
+    ax.text(n_fw + (n - n_fw) / 2, top * 1.02, "backward", ha="center", va="bottom", fontsize=9, color="#555555")
+    if n:
+        px, py = report.peak_step, report.peak_bytes / MIB
+        ax.plot([px], [py], marker="v", color="red", markersize=9, zorder=5)
+        ax.annotate(
+            f"peak {py:.2f} MiB\n{where(report.peak_phase, report.peak_layer)}, {report.peak_node}",
+            (px, py), xytext=(0, 14), textcoords="offset points", ha="center", fontsize=8, color="red",
+        )
+    if measured_timeline is not None:
+        mt = [b / MIB for b in measured_timeline]
+        if len(mt) == n:
+            ax.plot(xs, mt, color="black", linewidth=1.1, linestyle=":",
+                    label=f"measured (peak {max(mt) if mt else 0:.2f} MiB)")
+        else:
+            ax2 = ax.twiny()
+            ax2.plot(range(len(mt)), mt, color="black", linewidth=0.8, alpha=0.7,
+                     label="measured, per allocator event (own x axis, top)")
+            ax2.set_xlabel("allocator event # (measured; not aligned to graph steps)")
+            ax2.legend(loc="upper right", fontsize=8)
+    ax.set_xlim(0, max(n - 1, 1))
+    ax.set_ylim(0, top * 1.15 if top else 1)
+    ax.set_xlabel(f"step (graph node: {n_fw} forward, then {n - n_fw} backward)")
+    ax.set_ylabel("live activation memory (MiB)")
+    ax.set_title(title or f"{report.schedule}: predicted peak {report.peak_bytes / MIB:.2f} MiB "
+                          f"(static {report.static_bytes / MIB:.2f} MiB not shown)", fontsize=11)
+    handles, labs = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labs[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
+              frameon=False, ncol=2 if len(labs) > 24 else 1)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
