@@ -83,7 +83,9 @@ def test_zoo(entry: ZooEntry):
     if entry.num_layers is not None:
         assert L == entry.num_layers, f"stack {session.stack.path!r} has L={L}, expected {entry.num_layers}"
     if entry.expect_stack_path is not None:
-        assert session.stack.path == entry.expect_stack_path
+        assert session.stack.path == entry.expect_stack_path, (
+            f"stack found at {session.stack.path!r}, expected {entry.expect_stack_path!r}"
+        )
     empty = [i for i in range(L) if not session.stack.nodes_of_layer(i)]
     assert empty == list(entry.empty_layers), (
         f"layers {empty} of {session.stack.path!r} hold no graph node "
