@@ -434,8 +434,8 @@ def backend(
         >>> ids = torch.randint(0, 64, (2, 16))
         >>> torch.compile(model, backend=b)(ids).sum().backward()
         >>> r = b.reports[0]
-        >>> r.graph_id, r.schedule, r.layer_stack, r.layers, [s.layers for s in r.step.segments]
-        ('0/0', 'uniform(K=2)', 'blocks', (0, 1, 2, 3), [(2, 3), (0, 1)])
+        >>> r.schedule, r.layer_stack, r.layers, [s.layers for s in r.step.segments]
+        ('uniform(K=2)', 'blocks', (0, 1, 2, 3), [(2, 3), (0, 1)])
     """
     if num_layers is not None:
         warnings.warn("remat_pass.backend(num_layers=) is deprecated (it is K or N, not the number of layers L); "

@@ -230,7 +230,9 @@ def read_reports(path: str | Path) -> list[dict[str, Any]]:
             f"{path} has schema_version {doc.get('schema_version')!r}; this remat-pass reads 1 and "
             f"{SCHEMA_VERSION}: regenerate it with `remat-pass report --json`")
     doc = _upgrade(doc)
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema()).iter_errors(doc))
+    full = schema()  # validate against the branch of the kind the file claims
+    branch = {"$defs": full["$defs"], "$ref": "#/$defs/" + ("report" if kind == "remat-pass-report" else "reports")}
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(branch).iter_errors(doc))
     if error is not None:
         field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise ValueError(f"{path}: field {field}: {error.message} (schema: remat_pass/report_schema.json)")

@@ -88,10 +88,10 @@ def _eager_run(name: str, dropout: float):
 @pytest.mark.parametrize(
     "name,dropout,sched",
     [
-        ("gpt2", 0.0, "uniform2"),
-        ("gpt2", 0.0, "block3"),
-        ("gpt2", 0.0, "none"),
-        ("gpt2", 0.1, "uniform2"),
+        pytest.param("gpt2", 0.0, "uniform2", marks=pytest.mark.slow),
+        pytest.param("gpt2", 0.0, "block3", marks=pytest.mark.slow),
+        pytest.param("gpt2", 0.0, "none", marks=pytest.mark.slow),
+        pytest.param("gpt2", 0.1, "uniform2", marks=pytest.mark.slow),
         ("tiny", 0.0, "uniform2"),
         ("tiny", 0.0, "block3"),
         ("tiny", 0.0, "none"),
@@ -237,6 +237,7 @@ def test_eval_and_no_grad_are_not_rewritten():
     assert len(b.reports) == n_train and len(b.inference_graphs) == 2
 
 
+@pytest.mark.slow
 def test_changing_batch_shape():
     """A second batch size recompiles with a symbolic batch (automatic dynamic shapes);
     gradients stay equal to eager's; the symbolic graph's report, at the batch that
@@ -417,6 +418,7 @@ def test_registered_name():
     assert reports and reports[-1].schedule == "uniform(K=2)"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("c++")) or os.environ.get("REMAT_PASS_SKIP_INDUCTOR") == "1",
     reason="Inductor needs a C++ compiler on CPU (or REMAT_PASS_SKIP_INDUCTOR=1 was set)",

@@ -24,6 +24,7 @@ def c1_session():
     return Session.create(model, inputs, loss_fn)
 
 
+@pytest.mark.slow
 def test_c1_peak_grows_with_group_size(c1_session):
     s = c1_session
     L = s.stack.num_layers
@@ -55,6 +56,7 @@ def test_c1_report_names_live_tensors_at_peak(c1_session):
     assert layers <= set(step.schedule.groups[report.peak_layer // 2])
 
 
+@pytest.mark.slow
 def test_c1_large_vocab_head_dominates():
     # vocab 16384: the logits and their gradient dominate the peak
     model, inputs, loss_fn = tiny_gpt(batch=4, seq=128, layers=8, hidden=128, heads=4, vocab=16384)

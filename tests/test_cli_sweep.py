@@ -9,6 +9,7 @@ import pytest
 from remat_pass.cli import main
 
 
+@pytest.mark.slow
 def test_sweep_json_every_row(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = main(["sweep", "--model", "remat_pass.models:tiny_gpt", "--batch", "2", "--seq", "16",

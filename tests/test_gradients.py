@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from remat_pass.measure import grads_bitwise_equal, max_abs_diff, run_step
@@ -20,6 +21,7 @@ def _check_all_schedules(session, eager_tol):
         assert max_abs_diff(grads[:n], session.eager_param_grads) <= eager_tol, sch.provenance
 
 
+@pytest.mark.slow
 def test_every_schedule_gpt2_transformers(gpt2_session):
     # GPT-2 from transformers with dropout 0.1: the random ops are replayed
     s = gpt2_session
@@ -27,6 +29,7 @@ def test_every_schedule_gpt2_transformers(gpt2_session):
     _check_all_schedules(s, eager_tol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_schedule_hand_written_gpt(tiny_gpt_session):
     s = tiny_gpt_session
     assert s.stack.path == "blocks" and s.stack.num_layers == 5

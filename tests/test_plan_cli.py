@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 TINY = ["--layers", "2", "--seq", "32", "--batch", "2"]
 
 
+@pytest.mark.slow
 def test_plan_json_and_infeasible(tmp_path, capsys):
     big = tmp_path / "big.json"
     assert main(["plan", *TINY, "--budget", "1GiB", "--json", str(big)]) == 0

@@ -23,11 +23,11 @@ def test_budget_passes(remat_peak):
 
 @pytest.mark.remat_budget("1KiB")
 def test_marker_budget_fails(remat_peak):
-    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", k=1)
+    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", recompute_num_layers=1)
 
 
 def test_baseline(remat_peak):
-    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", k=2,
+    remat_peak.check(*linear_chain(batch=BATCH, width=64, layers=2), schedule="uniform", recompute_num_layers=2,
                      baseline="baselines/chain.json")
 
 
@@ -66,6 +66,7 @@ def test_entry_point_is_registered():
     assert any(ep.value == "remat_pass.pytest_plugin" for ep in eps)
 
 
+@pytest.mark.slow
 def test_plugin_from_a_project(pytester):
     write_project(pytester, batch=32)
     # no baseline yet: the baseline test fails and says how to write one

@@ -46,6 +46,7 @@ def schedules_for(L):
     return megatron_schedules(L) + [S.optimized(((1,),), L), S.optimized(((0, 1),), L)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", [gpt2_factory, hetero_factory], ids=["gpt2", "hetero"])
 def test_symbolic_peak_equals_concrete_at_five_shapes(factory):
     model, inputs, loss_fn = factory(3, 32)
@@ -90,6 +91,7 @@ def test_aggregates_and_closed_forms_are_polynomials():
     assert "peak_uniform(K)" in text and "\\mathrm{peak}" in text
 
 
+@pytest.mark.slow
 def test_largest_batch_fits_and_next_does_not():
     model, inputs, loss_fn = hetero_factory(3, 16)
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs))
