@@ -28,13 +28,13 @@ value backward reads is saved, as AOTAutograd's ``default_partition`` does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch.fx as fx
 
 from .costs import is_random, tensor_val
 from .errors import InvalidSchedule
-from .regions import LayerStack
+from .regions import LayerStack, input_closure
 from .schedule import Schedule
 from .trace import JointGraph
 
@@ -131,23 +131,6 @@ class Partition:
         return next((s for s in self.saved if s.name == name), None)
 
 
-def _tensor_ancestors_in(
-    start: Iterable[fx.Node], allowed: set[fx.Node], stop: set[fx.Node]
-) -> set[fx.Node]:
-    """Closure of ``start`` over inputs that are in ``allowed`` and not in ``stop``."""
-    out: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        for a in n.all_input_nodes:
-            if a in allowed and a not in stop and a not in out:
-                todo.append(a)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class _Graph:
     """What partitioning reads of a joint graph and its layer stack."""
@@ -198,7 +181,8 @@ def _recompute_sets(g: _Graph, members: list[set[fx.Node]], forced: set[fx.Node]
         for gi, group_members in enumerate(members):
             needed = [v for v in group_members if v in g.backward_readers and v not in stop]
             # a multi-output op stays with the getitems that read it
-            r = _tensor_ancestors_in(needed, group_members | non_tensors, stop)
+            allowed = group_members | non_tensors
+            r = input_closure(needed, lambda a: a in allowed and a not in stop)
             recompute[gi] = r
             for v in r:
                 for a in v.all_input_nodes:
