@@ -160,7 +160,7 @@ class Calibrator:
                 self._save(measured)
         return keys
 
-    def _load(self) -> dict[str, OpMemory]:
+    def _load(self, quiet: bool = False) -> dict[str, OpMemory]:
         if self.path is None or not self.path.exists():
             return {}
         try:
@@ -169,8 +169,9 @@ class Calibrator:
                 return {}
             return {k: OpMemory.from_json(v) for k, v in doc["entries"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            warnings.warn(f"remat-pass: ignoring the unreadable calibration cache {self.path} ({e}); "
-                          "its op signatures are calibrated again", stacklevel=3)
+            if not quiet:
+                warnings.warn(f"remat-pass: ignoring the unreadable calibration cache {self.path} ({e}); "
+                              "its op signatures are calibrated again", stacklevel=3)
             return {}
 
     def _save(self, new: Mapping[str, OpMemory]) -> None:
@@ -179,7 +180,7 @@ class Calibrator:
         if self.path is None:
             return
         try:
-            on_disk = self._load()
+            on_disk = self._load(quiet=True)
             entries = {**on_disk, **{k: v for k, v in self._entries.items()}, **new}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             doc = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "host": self.host,

@@ -178,12 +178,17 @@ def op_scratch_text(op_scratch: dict[str, Any] | None) -> str | None:
     if not op_scratch or op_scratch.get("at_peak") is None:
         return None
     p = op_scratch["at_peak"]
-    head = f"`{p['node']}` ({p['op']}): {fmt_bytes(p['bytes'])} ({p['bytes']:,} B)"
+    head = f"`{p['node']}` ({p['op']}): {_bytes_text(p['bytes'])}"
     if p["source"] == "calibrated":
         return head + f", calibrated at {op_scratch['threads']} thread(s)"
     where = "from the formula table" if p["source"] == "table" else "unknown (not calibrated, no table entry)"
     return (head + f", {where}, not calibrated: the peak could move by up to "
-            f"{fmt_bytes(op_scratch['peak_could_move_bytes'])} ({op_scratch['peak_could_move_bytes']:,} B)")
+            f"{_bytes_text(op_scratch['peak_could_move_bytes'])}")
+
+
+def _bytes_text(nbytes: int) -> str:
+    """``544.2 KiB (557,312 B)``, or ``12 B`` below a KiB."""
+    return fmt_bytes(nbytes) if nbytes < 1024 else f"{fmt_bytes(nbytes)} ({nbytes:,} B)"
 
 
 def dumps_report(doc: Any) -> str:

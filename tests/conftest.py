@@ -18,8 +18,8 @@ _PROFILE = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
                            HealthCheck.function_scoped_fixture],
 )
-settings.register_profile("default", max_examples=24, **_PROFILE)
-settings.register_profile("long", max_examples=3000, **_PROFILE)
+settings.register_profile("default", max_examples=20, **_PROFILE)
+settings.register_profile("long", max_examples=2000, **_PROFILE)
 settings.load_profile("default")
 
 from remat_pass.calibration import CACHE_ENV
