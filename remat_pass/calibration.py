@@ -17,14 +17,15 @@ allocator events, in time order, give a running sum from 0:
 
 Since the executor frees values only between nodes, a step then peaks at (live before)
 + (real outputs) + (transient), whatever order the op allocates in: the liveness model
-with these figures is the measured one, byte for byte (``/work/notes/scratch.md``).
+with these figures is the measured one, byte for byte (``tests/test_memory_model.py``
+checks it at every step).
 
 All new signatures of a batch share one profiler session (~1-3 ms per tiny signature,
-~0.1 s for GPT-2-sized ones, on 2 loaded cores). The figures are kept in a JSON cache
-per host (``op_signature.host_identity``: torch version, CPU model and ISA), in
-``$REMAT_PASS_CACHE_DIR`` or ``~/.cache/remat-pass`` (``$XDG_CACHE_HOME``), so a
-machine calibrates a signature once. The calibration runs on the CPU only; CUDA
-targets use the table (``memory_model``).
+~0.1 s for GPT-2-sized ones, on 2 loaded cores). The figures are kept in a cache file
+per host (``op_signature.host_identity``: torch version, CPU model and ISA), JSON Lines
+appended to, in ``$REMAT_PASS_CACHE_DIR`` or ``~/.cache/remat-pass``
+(``$XDG_CACHE_HOME``), so a machine calibrates a signature once. The calibration runs on
+the CPU only; CUDA targets use the table (``memory_model``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class CalibrationOptions:
     """How to calibrate.
 
     Attributes:
-        cache_dir: folder of the JSON cache; None: ``$REMAT_PASS_CACHE_DIR``, else
+        cache_dir: folder of the cache file; None: ``$REMAT_PASS_CACHE_DIR``, else
             ``$XDG_CACHE_HOME/remat-pass``, else ``~/.cache/remat-pass``.
         use_cache: read and write the cache file (False: keep figures in memory only).
         repeats: measured runs per signature (the largest figures are kept when they
@@ -86,7 +87,7 @@ def default_cache_dir() -> Path:
 def cache_path(cache_dir: Path | str, host: str) -> Path:
     """The cache file of ``host`` in ``cache_dir`` (one file per host identity)."""
     digest = hashlib.sha256(host.encode("utf-8")).hexdigest()[:16]
-    return Path(cache_dir) / f"op-memory-{digest}.json"
+    return Path(cache_dir) / f"op-memory-{digest}.jsonl"
 
 
 def step_nodes(steps: Iterable[RewrittenStep]) -> list[fx.Node]:
@@ -96,8 +97,8 @@ def step_nodes(steps: Iterable[RewrittenStep]) -> list[fx.Node]:
 
 
 class Calibrator:
-    """Calibrates op signatures on this machine's CPU, keeping the figures (and a JSON
-    cache per host); ``memory_model`` gives the MemoryModel of some steps.
+    """Calibrates op signatures on this machine's CPU, keeping the figures (and a cache
+    file per host); ``memory_model`` gives the MemoryModel of some steps.
 
     Attributes:
         options: the CalibrationOptions.
@@ -112,6 +113,7 @@ class Calibrator:
         self.host = host_identity("cpu")
         self.path = (cache_path(options.cache_dir or default_cache_dir(), self.host)
                      if options.use_cache else None)
+        self._foreign = False  # the cache file is not ours to append to
         self._entries: dict[str, OpMemory] = self._load()
         self._failed: dict[str, str] = {}
         self.calibrated_signatures = 0
@@ -160,34 +162,52 @@ class Calibrator:
                 self._save(measured)
         return keys
 
-    def _load(self, quiet: bool = False) -> dict[str, OpMemory]:
+    def _load(self) -> dict[str, OpMemory]:
+        """The figures in the cache file: a JSON Lines file whose first line names the
+        format, its version and the host, each later line one signature (a later line
+        wins). A file of another format, version or host is ignored; a line that is not
+        an entry (a torn write) is skipped."""
         if self.path is None or not self.path.exists():
             return {}
+        entries: dict[str, OpMemory] = {}
         try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-            if doc.get("format") != CACHE_FORMAT or doc.get("version") != CACHE_VERSION or doc.get("host") != self.host:
-                return {}
-            return {k: OpMemory.from_json(v) for k, v in doc["entries"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            if not quiet:
-                warnings.warn(f"remat-pass: ignoring the unreadable calibration cache {self.path} ({e}); "
-                              "its op signatures are calibrated again", stacklevel=3)
-            return {}
+            with open(self.path, encoding="utf-8") as f:
+                header = json.loads(f.readline() or "{}")
+                if header != self._header():
+                    self._foreign = True
+                    return {}
+                for line in f:
+                    try:
+                        d = json.loads(line)
+                        entries[d["key"]] = OpMemory.from_json(d["op_memory"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            warnings.warn(f"remat-pass: ignoring the unreadable calibration cache {self.path} ({e}); "
+                          "its op signatures are calibrated again", stacklevel=3)
+            self._foreign = True
+        return entries
+
+    def _header(self) -> dict[str, Any]:
+        return {"format": CACHE_FORMAT, "version": CACHE_VERSION, "host": self.host}
 
     def _save(self, new: Mapping[str, OpMemory]) -> None:
-        """Merge ``new`` into the cache file (re-read first: another process may have
-        written it) and replace it atomically."""
+        """Append ``new`` to the cache file, one line each in a single write (a file of
+        another format or host, or an unreadable one, is replaced first)."""
         if self.path is None:
             return
+        lines = "".join(json.dumps({"key": k, "op_memory": m.to_json()}, separators=(",", ":")) + "\n"
+                        for k, m in new.items())
         try:
-            on_disk = self._load(quiet=True)
-            entries = {**on_disk, **{k: v for k, v in self._entries.items()}, **new}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            doc = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "host": self.host,
-                   "entries": {k: entries[k].to_json() for k in sorted(entries)}}
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            if self._foreign or not self.path.exists():
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(self._header()) + "\n" + lines, encoding="utf-8")
+                os.replace(tmp, self.path)
+                self._foreign = False
+            else:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(lines)
         except OSError as e:
             warnings.warn(f"remat-pass: cannot write the calibration cache {self.path} ({e}); "
                           f"set {CACHE_ENV} to a writable folder", stacklevel=3)

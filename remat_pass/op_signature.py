@@ -2,8 +2,7 @@
 
 An op's allocator behaviour (the scratch it allocates and frees inside itself, the real
 size of the storages it returns) depends on more than shapes and dtypes. The signature
-keys on everything found to change it on CPU (``/work/notes/scratch.md`` of the
-prototype, torch 2.13):
+keys on everything found to change it on CPU (probed op by op with torch 2.13):
 
 - the op (an ``OpOverload``, e.g. ``aten.native_layer_norm_backward.default``);
 - every tensor argument's shape, **strides**, **storage offset**, dtype, device,
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from typing import Any
 
 import torch
@@ -104,9 +102,9 @@ class OpSignature:
 
     @functools.cached_property
     def key(self) -> str:
-        """Canonical text of the signature: the key of a calibration cache entry."""
-        return json.dumps([self.op, _encode(self.args), _encode(self.kwargs), self.threads],
-                          separators=(",", ":"))
+        """Canonical text of the signature: the key of a calibration cache entry, e.g.
+        ``aten.mm.default(T[4,16][16,1]+0:float32:cpu:256#0,...)|threads=1``."""
+        return f"{self.op}({_text(self.args)};{_text(self.kwargs)})|threads={self.threads}"
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """The argument at position ``index`` or passed as ``name``, else ``default``."""
@@ -120,18 +118,15 @@ class OpSignature:
         return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorSpec)]
 
 
-def _encode(x: Any) -> Any:
-    """A JSON-ready, deterministic form of signature arguments."""
+def _text(x: Any) -> str:
+    """Deterministic text of signature arguments (tensors as shape, strides, offset,
+    dtype, device, storage bytes and storage group)."""
     if isinstance(x, TensorSpec):
-        return {"t": [list(x.shape), list(x.stride), x.storage_offset, str(x.dtype), x.device,
-                      x.storage_nbytes, x.storage_group]}
+        return (f"T[{','.join(map(str, x.shape))}][{','.join(map(str, x.stride))}]+{x.storage_offset}:"
+                f"{str(x.dtype).removeprefix('torch.')}:{x.device}:{x.storage_nbytes}#{x.storage_group}")
     if isinstance(x, (tuple, list)):
-        return [_encode(e) for e in x]
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
-    if isinstance(x, float):
-        return repr(x)  # nan / inf are not JSON; repr round-trips
-    return str(x)  # dtype, device, layout, memory format
+        return "(" + ",".join(_text(e) for e in x) + ")"
+    return repr(x)  # numbers, strings, None, dtypes, devices, layouts, memory formats
 
 
 def op_call(node: fx.Node) -> OpCall | None:
