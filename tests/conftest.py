@@ -1,10 +1,15 @@
-"""Shared fixtures: small traced models, reused across tests of a module."""
+"""Shared fixtures: small traced models, reused across tests of a module; the hypothesis
+profiles; a per-session calibration cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
+
+from remat_pass.calibration import CACHE_ENV
+from remat_pass.models import gpt2, tiny_gpt
+from remat_pass.sweep import Session
 
 # Hypothesis profiles of the property tests (tests/test_properties.py). "default" (the
 # README's test command): a few dozen examples, derandomized (the same examples on
@@ -22,10 +27,6 @@ _PROFILE = dict(
 settings.register_profile("default", max_examples=20, **_PROFILE)
 settings.register_profile("long", max_examples=2000, phases=[Phase.explicit, Phase.generate], **_PROFILE)
 settings.load_profile("default")
-
-from remat_pass.calibration import CACHE_ENV
-from remat_pass.models import gpt2, tiny_gpt
-from remat_pass.sweep import Session
 
 
 def small_gpt2(layers: int = 3, dropout: float = 0.0, **kw):
