@@ -40,13 +40,11 @@ import torch
 import torch.fx as fx
 
 from .costs import node_flops, same_storage, tensor_val
-from .memory_model import ALLOCATORS, CUDA_BLOCK_BYTES, SOURCES, MemoryModel, NodeMemory
+from .memory_model import ALLOCATORS, SOURCES, MemoryModel, NodeMemory
 from .op_signature import output_values
 from .rewrite import RewrittenStep
 from .schedule import recompute_fraction
 
-__all__ = ["ALLOCATORS", "CUDA_BLOCK_BYTES", "Intervals", "LiveTensor", "MemoryReport", "Storage", "TimelineStep",
-           "analyze", "live_intervals", "live_timeline", "memory_intervals", "storage_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ wrapper ``run_with_rng_state`` adds its copy of the CPU generator state
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 from typing import Any, Mapping
 
@@ -195,10 +196,14 @@ class MemoryModel:
 
     def node_memory(self, node: fx.Node) -> NodeMemory | None:
         """The scratch and real output sizes of the op ``node`` runs; None when it runs
-        no aten op (``getitem``, ``get_attr``, placeholders)."""
+        nothing (``getitem``, ``get_attr``, placeholders). A call of something other than
+        an aten op (a higher-order op) has source ``"none"``."""
         call = op_call(node)
         if call is None:
-            return None
+            if node.op != "call_function" or node.target is operator.getitem:
+                return None
+            name = getattr(node.target, "__name__", str(node.target))
+            return NodeMemory(node.name, name, transient_bytes(node), "none", "not an aten op: not calibrated")
         op = str(call.op)
         wrapper = RNG_STATE_BYTES["cpu"] if call.wrapper == "run_with_rng_state" and self.device == "cpu" else 0
         sig = signature_of(node, self.threads)
