@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     add("remat", f"optimized, budget {budget / MIB:.2f} MiB", res, report.memory.peak_bytes,
         f"recompute {100 * report.memory.recompute_fraction:.0f}% fwd FLOPs; "
         + schedules_describe(report.step.schedule))
+    over_budget = res["peak_bytes"] - budget if res["peak_bytes"] > budget else 0
 
     for k in sorted({1, K}):
         model = with_checkpoint_groups(base, k)
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": vars(args), "rows": rows}, f, indent=2)
+    if over_budget:  # a budget that does not hold is an error, never a silent exit 0
+        raise SystemExit(f"ERROR: the optimized row measured {res['peak_bytes']} B, over its budget "
+                         f"{budget} B by {over_budget} B (predicted {report.memory.peak_bytes} B)")
     return rows
 
 

@@ -29,7 +29,8 @@ from solvers import ChainCosts, least_recompute  # noqa: E402
 MIB = 2**20
 
 
-def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> None:
+def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> list[str]:
+    """Print the table of one model; return the rows measured over their budget."""
     t0 = time.perf_counter()
     session = Session.create(model, inputs, loss_fn)
     planner = Planner(session.joint, session.stack, session.report)
@@ -42,8 +43,12 @@ def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> None:
     rows = []
     better = 0
     measured_all = []
+    over = []
     for budget, p in zip(budgets, plans):
         r = session.evaluate(p.schedule)
+        if r.measured_peak_bytes > budget:
+            over.append(f"{name}: {p.describe()} measured {r.measured_peak_bytes} B over the budget {budget} B "
+                        f"by {r.measured_peak_bytes - budget} B (predicted {p.predicted_peak_bytes} B)")
         fits = [(rep.recompute_flops, rep.peak_bytes, s.provenance) for s, rep in megatron if rep.peak_bytes <= budget]
         best = min(fits) if fits else None
         better += bool(best and p.recompute_flops < best[0])
@@ -67,7 +72,9 @@ def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> None:
         rows, align="llrrrrlrr"))
     mono = all(b <= a for a, b in zip(measured_all, measured_all[1:]))
     print(f"\nmeasured peak never rises as the budget falls: {'yes' if mono else 'NO'}; "
-          f"optimized strictly cheaper than the best fitting uniform/block at {better} of {len(budgets)} budgets")
+          f"optimized strictly cheaper than the best fitting uniform/block at {better} of {len(budgets)} budgets; "
+          f"measured over budget: {len(over)}")
+    return over
 
 
 def solve_times() -> None:
@@ -88,12 +95,15 @@ def solve_times() -> None:
 
 def main() -> None:
     model, inputs, loss_fn = gpt2(batch=4, seq=128, layers=8, hidden=128, heads=4, vocab=512, dropout=0.1)
-    table("GPT-2 (transformers; 8 layers, hidden 128, seq 128, batch 4, vocab 512, dropout 0.1)",
-          model, inputs, loss_fn)
+    over = table("GPT-2 (transformers; 8 layers, hidden 128, seq 128, batch 4, vocab 512, dropout 0.1)",
+                 model, inputs, loss_fn)
     model, inputs, loss_fn = hetero_gpt(batch=4, seq=64, layers=6, hidden=64)
-    table("heterogeneous stack (6 MixedBlocks: attention+MLP 1x, 8x; MLP-only 4x; attention+MLP 2x, 16x; "
-          "MLP-only 1x; hidden 64, seq 64, batch 4)", model, inputs, loss_fn)
+    over += table("heterogeneous stack (6 MixedBlocks: attention+MLP 1x, 8x; MLP-only 4x; attention+MLP 2x, 16x; "
+                  "MLP-only 1x; hidden 64, seq 64, batch 4)", model, inputs, loss_fn)
     solve_times()
+    if over:  # a budget that does not hold is an error, never a silent exit 0
+        print("\nERROR: measured peaks over their budget:\n  " + "\n  ".join(over), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ from torch._guards import CompileContext
 
 from . import schedule as schedules
 from .backend_options import REPORT_DIR_ENV, BackendOptions, InvalidBackendOption
+from .calibration import Calibrator
 from .compiled_graphs import GraphReport, describe_graph_breaks, graph_markdown
 from .errors import LayerStackNotFound, UnsupportedGraph
 from .graph_transforms import (
@@ -79,6 +80,7 @@ from .graph_transforms import (
 )
 from .inspection import dump_step
 from .liveness import MemoryReport, analyze
+from .memory_model import MemoryModel
 from .planner import Planner
 from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
 from .rewrite import rewrite
@@ -159,6 +161,7 @@ class RematBackend:
         self._partitioned = False  # whether its AOTAutograd partition ran (a training graph)
         self._count = 0
         self._seen_break = False
+        self._calibrator: Calibrator | None = None
         self.__name__ = "remat"
 
     def __repr__(self) -> str:
@@ -292,7 +295,7 @@ class RematBackend:
                                  for v, kind in zip(joint_graph.primal_values, joint_graph.primal_kinds)
                                  if kind == "input" and isinstance(v, torch.Tensor)),
             pass_time_s=time.perf_counter() - start,
-            memory=analyze(concrete, allocator=allocator),
+            memory=analyze(concrete, memory=self._memory_model(concrete, allocator)),
             step=concrete,
         )
         self.reports.append(report)
@@ -335,9 +338,19 @@ class RematBackend:
                 "compile with dynamic=False (torch.compile(..., dynamic=False))"
             )
         def predict(schedule: schedules.Schedule) -> MemoryReport:
-            return analyze(concrete_step(rewrite(joint, stack, schedule))[0], allocator=allocator)
+            concrete = concrete_step(rewrite(joint, stack, schedule))[0]
+            return analyze(concrete, memory=self._memory_model(concrete, allocator))
 
         return Planner(joint, stack, predict).plan(int(self.options.budget_bytes)).schedule
+
+    def _memory_model(self, step: Any, allocator: str) -> MemoryModel:
+        """The memory model of a concrete step: op scratch calibrated on this CPU
+        (``calibrate`` option; the table for a CUDA allocator), else the table only."""
+        if not self.options.calibrate or allocator != "cpu":
+            return MemoryModel.table_only(allocator)
+        if self._calibrator is None:
+            self._calibrator = Calibrator()
+        return self._calibrator.memory_model([step], allocator)
 
     def _layer_stack(self, joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> LayerStack:
         try:
@@ -398,6 +411,7 @@ def backend(
     layers: str | None = None,
     report_dir: str | os.PathLike | None = None,
     *,
+    calibrate: bool = True,
     num_layers: int | None = None,
 ) -> RematBackend:
     """A torch.compile backend that recomputes layers by a Megatron-LM schedule.
@@ -417,6 +431,8 @@ def backend(
         report_dir: write each graph's report there (``graph_<frame>_<n>.json``,
             ``.md`` and ``.remat.json`` for ``remat-pass inspect --graph``); None:
             ``$REMAT_PASS_REPORT_DIR`` if set.
+        calibrate: calibrate op scratch on this CPU for the predicted peaks (cached
+            under ``~/.cache/remat-pass``); False: the ATen formula table only.
         num_layers: the old name of ``recompute_num_layers`` (deprecated: it is K or N,
             not the number of layers L).
 
@@ -448,6 +464,7 @@ def backend(
         compiler=compiler,
         layers=layers,
         report_dir=None if report_dir is None else str(report_dir),
+        calibrate=calibrate,
     ))
 
 

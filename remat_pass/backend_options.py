@@ -18,7 +18,7 @@ from .errors import InvalidOption, InvalidSchedule
 
 SCHEDULES = ("none", "uniform", "block", "optimized")
 COMPILERS = ("eager", "inductor")
-OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir")
+OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir", "calibrate")
 DEPRECATED_KEYS = {"num_layers": "recompute_num_layers"}
 REPORT_DIR_ENV = "REMAT_PASS_REPORT_DIR"
 
@@ -48,6 +48,9 @@ class BackendOptions:
         report_dir: folder to write every graph's report to (JSON, Markdown and a
             ``remat-pass inspect`` dump); None reads ``$REMAT_PASS_REPORT_DIR``
             (unset: nothing is written).
+        calibrate: calibrate op scratch on this CPU for the predicted peaks (the
+            ``optimized`` budget holds with it; ``calibration.Calibrator``, cached under
+            ``~/.cache/remat-pass``); False: the formula table only.
 
     Raises:
         InvalidSchedule: unknown schedule, K / N not an integer in range, a budget
@@ -62,6 +65,7 @@ class BackendOptions:
     compiler: str = "eager"
     layers: str | None = None
     report_dir: str | None = None
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -95,6 +99,8 @@ class BackendOptions:
             )
         if self.report_dir is not None and not isinstance(self.report_dir, (str, os.PathLike)):
             raise InvalidBackendOption(f"report_dir must be a folder path, got {self.report_dir!r}")
+        if not isinstance(self.calibrate, bool):
+            raise InvalidBackendOption(f"calibrate must be True or False, got {self.calibrate!r}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "BackendOptions":

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from . import schedule as schedules
 from .errors import InfeasibleBudget, RematError
+from .calibration import CACHE_ENV, CalibrationOptions
 from .formatting import fmt_bytes, mib, parse_bytes, text_table
 from .gate import gate
 from .inspection import describe_step, dump_step, load_dump, render
@@ -74,13 +75,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stack", metavar="PATH",
                    help="module path of the layer stack (e.g. transformer.h); found automatically if omitted")
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
+    g = p.add_argument_group("op scratch")
+    g.add_argument("--no-calibrate", action="store_true",
+                   help="do not run ops to calibrate their scratch memory; use the ATen formula table only")
+    g.add_argument("--calibration-cache", metavar="DIR",
+                   help=f"folder of the calibration cache (default: ${CACHE_ENV} or ~/.cache/remat-pass)")
 
 
 def load_session(args: argparse.Namespace) -> Session:
     """Build the model from the factory and trace it (prints what it does to stderr)."""
     model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
-    session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed)
+    calibration = None if args.no_calibrate else CalibrationOptions(cache_dir=args.calibration_cache)
+    session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed, calibration=calibration)
     print(
         f"traced {type(model).__name__}: {len(session.joint.gm.graph.nodes)} joint nodes, "
         f"layer stack {session.stack.path!r} with L={session.stack.num_layers} "
@@ -88,6 +95,15 @@ def load_session(args: argparse.Namespace) -> Session:
         file=sys.stderr,
     )
     return session
+
+
+def calibration_note(session: Session) -> None:
+    """Say on stderr how many op signatures were calibrated now, in how long, where the
+    figures are kept."""
+    cal = session.calibrator
+    if cal is not None and cal.calibrated_signatures:
+        print(f"calibrated the scratch memory of {cal.calibrated_signatures} op signatures in "
+              f"{cal.calibrate_s:.1f}s (cached in {cal.path})", file=sys.stderr)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -103,6 +119,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         )
 
     results = sweep(session, progress=progress)
+    calibration_note(session)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
     if args.json:
         write_json(args.json, {
@@ -203,7 +220,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             text += (f"\nMeasured (CPU profiler, per step): peak {mib(max(measured))} MiB; "
                      f"predicted {mib(report.peak_bytes)} MiB; {len(diffs)} of {len(measured)} steps differ"
                      + (f", measured minus predicted from {fmt_bytes(min(diffs))} to {fmt_bytes(max(diffs))}"
-                        " (scratch memory inside an op that the model does not count)" if diffs else "")
+                        " (op scratch the memory model got wrong: see the op scratch line)" if diffs else "")
                      + ".\n")
         parts.append(text)
         if args.png:
@@ -215,6 +232,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         markdown = (f"### remat-pass: predicted peaks of {args.model}\n\n" + summary_markdown(docs) + "\n\n"
                     + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n</details>\n"
                                 for d, t in zip(docs, parts)))
+    calibration_note(session)
     if args.markdown:
         _write(args.markdown, markdown)
     else:
@@ -241,6 +259,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for sched in _schedules(args, session.stack.num_layers):
             step, report = _predict(args, session, sched)
             docs.append(report_json(report, step))
+        calibration_note(session)
         if args.json:
             write_report(args.json, reports_document(docs, _meta(args, session)))
             print(f"wrote {args.json}", file=sys.stderr)
@@ -294,12 +313,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "unconstrained_peak_bytes": planner.unconstrained_peak_bytes,
             })
         raise
-    result = session.evaluate(plan.schedule)
+    result = session.evaluate(plan.schedule, strict=False)
+    calibration_note(session)
     print(plan_text(plan, result, planner.calibrate_s, time.perf_counter() - t0))
     if args.json:
         write_json(args.json, plan_json(plan, result))
         print(f"wrote {args.json}", file=sys.stderr)
-    return EXIT_OK if result.grads_equal else EXIT_FAILED
+    if not result.grads_equal:
+        print(f"remat-pass plan: error: the gradients of {plan.schedule.provenance} differ from the "
+              "un-rewritten step", file=sys.stderr)
+        return EXIT_FAILED
+    if result.measured_peak_bytes > budget:
+        print(f"remat-pass plan: error: the measured peak {result.measured_peak_bytes} bytes "
+              f"({fmt_bytes(result.measured_peak_bytes)}) exceeds the budget {budget} bytes ({fmt_bytes(budget)}) "
+              f"by {result.measured_peak_bytes - budget} bytes; predicted {plan.predicted_peak_bytes} bytes",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .formatting import fmt_bytes, parse_bytes, parse_fraction, signed_bytes
-from .report import read_reports, reports_document, write_report
+from .report import op_scratch_text, read_reports, reports_document, write_report
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -149,8 +149,20 @@ def explain_growth(current: dict[str, Any], baseline: dict[str, Any], top: int =
     return lines
 
 
+def uncalibrated_note(report: dict[str, Any]) -> list[str]:
+    """A line when the op at ``report``'s peak has no calibrated scratch figure: which
+    op, the figure used and how far the peak could move (empty otherwise)."""
+    scratch = report.get("op_scratch")
+    if not scratch or not scratch.get("at_peak") or scratch["at_peak"]["source"] == "calibrated":
+        return []
+    return [f"note: op scratch at the peak {op_scratch_text(scratch)}; calibrate on the target machine "
+            "(predict there, without --no-calibrate) to know"]
+
+
 def check_budget(report: dict[str, Any], budget_bytes: int, top: int = 8) -> Finding:
-    """Whether ``report``'s predicted peak fits ``budget_bytes`` (peak <= budget passes)."""
+    """Whether ``report``'s predicted peak (op scratch included) fits ``budget_bytes``
+    (peak <= budget passes). The details say when the op at the peak has no calibrated
+    scratch figure and how far the peak could move, whether it passes or not."""
     peak = report["peak_bytes"]
     name = report["schedule"]["provenance"]
     ok = peak <= budget_bytes
@@ -160,8 +172,9 @@ def check_budget(report: dict[str, Any], budget_bytes: int, top: int = 8) -> Fin
         f"{fmt_bytes(budget_bytes)} ({budget_bytes:,} B)"
         + ("" if ok else f" by {fmt_bytes(peak - budget_bytes)}")
     )
-    details = () if ok else tuple([f"peak at {_where(report)}", *what_is_live(report, top)])
-    return Finding(name, "budget", ok, headline, details)
+    details = uncalibrated_note(report) if ok else [f"peak at {_where(report)}", *uncalibrated_note(report),
+                                                    *what_is_live(report, top)]
+    return Finding(name, "budget", ok, headline, tuple(details))
 
 
 def check_regression(

@@ -33,15 +33,13 @@ import torch.fx as fx
 from .costs import node_flops
 from .formatting import fmt_bytes, natural_key, text_table
 from .liveness import (
-    ALLOCATORS,
     Intervals,
     MemoryReport,
     Storage,
-    live_intervals,
     live_timeline,
-    scratch_bytes,
-    storage_bytes,
+    memory_intervals,
 )
+from .memory_model import MemoryModel
 from .report import report_json
 from .rewrite import RewrittenStep
 
@@ -53,19 +51,25 @@ DUMP_SUFFIX = ".remat.json"
 # --------------------------------------------------------------------------- intervals
 
 
-def _intervals(step: RewrittenStep, allocator: str) -> Intervals:
-    """``liveness.live_intervals`` sized and with scratch exactly as ``analyze`` does."""
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
-    return live_intervals(step, lambda v: storage_bytes(v, allocator), lambda n: scratch_bytes(n, allocator))
+def _intervals(step: RewrittenStep, memory: MemoryModel | str) -> Intervals:
+    """``liveness.memory_intervals``: sized and with scratch exactly as ``analyze`` does
+    with the memory model ``memory`` (an allocator name: the table-only model)."""
+    if isinstance(memory, str):
+        memory = MemoryModel.table_only(memory)
+    return memory_intervals(step, memory)[0]
 
 
-def storage_intervals(step: RewrittenStep, allocator: str = "cpu") -> list[Storage]:
+def _model_of(report: MemoryReport) -> MemoryModel | str:
+    return report.memory if report.memory is not None else report.allocator
+
+
+def storage_intervals(step: RewrittenStep, allocator: MemoryModel | str = "cpu") -> list[Storage]:
     """Every activation storage of ``step`` with its live steps (``liveness.analyze``'s model).
 
     Args:
         step: the rewritten step.
-        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes).
+        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes) with
+            the formula table's scratch, or the MemoryModel ``analyze`` was given.
 
     Returns:
         ``liveness.Storage`` values in allocation order, then one of kind ``"scratch"``
@@ -80,9 +84,10 @@ def storage_intervals(step: RewrittenStep, allocator: str = "cpu") -> list[Stora
 
 
 def live_bytes_by_layer(
-    step: RewrittenStep, allocator: str = "cpu"
+    step: RewrittenStep, allocator: MemoryModel | str = "cpu"
 ) -> tuple[list[str], list[list[int]]]:
-    """Live activation bytes at every step, split by the layer that allocated them.
+    """Live activation bytes at every step, split by the layer that allocated them
+    (``allocator``: as for ``storage_intervals``).
 
     Returns:
         ``(labels, rows)``: labels ``["outer", "layer 0", ..]`` (only those that hold
@@ -145,7 +150,7 @@ def describe_step(
         value that backward reads), ``freed`` (storages dropped right after this step),
         ``freed_bytes``, ``live_bytes`` (the timeline), ``flops``.
     """
-    iv = _intervals(step, report.allocator)
+    iv = _intervals(step, _model_of(report))
     nodes = _node_rows(step, report, iv)
     return {
         "format": DUMP_FORMAT,

@@ -18,9 +18,16 @@ Memory model (DESIGN.md, Memory accounting):
 - Allocator: ``"cpu"`` counts exact bytes; ``"cuda"`` rounds every block up to a
   multiple of 512 bytes as the CUDA caching allocator does (``kMinBlockSize``).
 
-Scratch buffers an op allocates and frees inside itself are modelled only where known
-(``costs.transient_bytes``: CPU dropout and the RNG-replay wrapper); other ops'
-workspace, allocator fragmentation and caching, and non-tensor values are ignored.
+- Op scratch: the bytes an op allocates and frees inside itself (workspaces, per-thread
+  buffers, upcasts) are live during that op's step only; real output storages larger
+  than the FakeTensor's (``mse_loss(mean)``) are live as long as the output. Both come
+  from the ``memory_model.MemoryModel`` (calibrated on this machine, else the ATen
+  formula table); ``MemoryReport.peak_scratch`` names the op at the peak and whether its
+  figure was calibrated.
+
+Ignored: allocator fragmentation and caching, non-tensor values, memory that is not a
+c10 allocation (MKL's and oneDNN's own buffers, ``std::vector`` in kernels), and
+allocations on OpenMP worker threads (the CPU profiler does not see them either).
 """
 
 from __future__ import annotations
@@ -32,12 +39,12 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .costs import node_flops, same_storage, storage_nbytes, tensor_val, transient_bytes
+from .costs import node_flops, same_storage, tensor_val
+from .memory_model import ALLOCATORS, SOURCES, MemoryModel, NodeMemory
+from .op_signature import output_values
 from .rewrite import RewrittenStep
 from .schedule import recompute_fraction
 
-ALLOCATORS = ("cpu", "cuda")
-CUDA_BLOCK_BYTES = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,15 @@ class MemoryReport:
         timeline: live bytes at every step of forward then backward.
         forward_flops: FLOPs of the forward graph (torch.utils.flop_counter formulas).
         recompute_flops: FLOPs of the recompute segments in backward.
+        peak_scratch: the op running at the peak step and its scratch (bytes, and
+            whether calibrated, from the table, or unknown); None when no op runs there.
+        peak_could_move_bytes: 0 when the op at the peak has a calibrated figure; else
+            an estimate of how far the peak could move if its real scratch differs
+            (``MemoryModel.could_move_bytes``).
+        ops_by_source: the distinct ops of the step (by name, sorted) whose scratch
+            figure is ``"calibrated"``, from the ``"table"``, or unknown (``"none"``).
+        threads: the intra-op thread count the prediction is for.
+        memory: the MemoryModel the report was computed with.
     """
 
     schedule: str
@@ -105,6 +121,11 @@ class MemoryReport:
     timeline: tuple[TimelineStep, ...]
     forward_flops: int
     recompute_flops: int
+    peak_scratch: NodeMemory | None = None
+    peak_could_move_bytes: int = 0
+    ops_by_source: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    threads: int = 1
+    memory: MemoryModel | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def recompute_fraction(self) -> float:
@@ -138,8 +159,8 @@ class Storage:
 
 
 def storage_bytes(val: torch.Tensor, allocator: str = "cpu") -> int:
-    """Bytes ``allocator`` gives the storage of ``val``: exact on CPU, rounded up to a
-    multiple of 512 on CUDA (the caching allocator's ``kMinBlockSize``).
+    """Bytes ``allocator`` gives the FakeTensor storage of ``val``: exact on CPU, rounded
+    up to a multiple of 512 on CUDA (``MemoryModel.allocator_bytes``).
 
     Raises:
         ValueError: unknown allocator, or a symbolic (non-integer) size; use the
@@ -147,24 +168,7 @@ def storage_bytes(val: torch.Tensor, allocator: str = "cpu") -> int:
     """
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
-    nbytes = storage_nbytes(val)
-    if not isinstance(nbytes, int):
-        try:
-            nbytes = int(nbytes)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
-                "shapes (use the symbolic model)"
-            ) from e
-    if allocator == "cuda" and nbytes > 0:
-        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-    return nbytes
-
-
-def scratch_bytes(node: fx.Node, allocator: str = "cpu") -> Any:
-    """Scratch bytes of ``node`` under ``allocator`` (``costs.transient_bytes`` on CPU;
-    0 on CUDA, where no op scratch is modelled)."""
-    return transient_bytes(node) if allocator == "cpu" else 0
+    return MemoryModel(device=allocator, allocator=allocator).storage_bytes(val)
 
 
 @dataclasses.dataclass
@@ -242,6 +246,42 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
                 builder.storages.append(
                     Storage(scratch, i, i, n.name, step.layer_of.get(n.name), "scratch", False))
     return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids)
+
+
+def memory_intervals(step: RewrittenStep, memory: MemoryModel) -> tuple[Intervals, list[NodeMemory | None]]:
+    """``live_intervals`` sized and with scratch by ``memory``: what ``analyze`` counts.
+
+    Every new storage is ``memory.allocator_bytes`` of its size: the real output size
+    where the memory model has one for the op that made it (``NodeMemory.
+    output_storage_bytes``), else the FakeTensor storage size; each step's scratch is
+    ``NodeMemory.scratch_bytes`` of its op.
+
+    Returns:
+        ``(intervals, node_memory)``: ``node_memory[i]`` describes step ``i``'s op
+        (None where no op runs).
+
+    Raises:
+        ValueError: a symbolic (non-integer) size; use the symbolic model.
+    """
+    steps = [n for g in (step.forward, step.backward) for n in g.graph.nodes if n.op not in ("placeholder", "output")]
+    per_step = [memory.node_memory(n) for n in steps]
+    real: dict[int, int] = {}  # id(FakeTensor output) -> its real storage bytes
+    for n, m in zip(steps, per_step):
+        if m is not None and m.output_storage_bytes is not None:
+            outs = [v for v in output_values(n) if v is not None]
+            for v, nbytes in zip(outs, m.output_storage_bytes):
+                real[id(v)] = nbytes
+    by_node = {n: m for n, m in zip(steps, per_step)}
+
+    def size_of(val: torch.Tensor) -> int:
+        nbytes = real.get(id(val))
+        return memory.storage_bytes(val) if nbytes is None else memory.allocator_bytes(nbytes)
+
+    def scratch_of(node: fx.Node) -> int:
+        m = by_node.get(node)
+        return 0 if m is None else m.scratch_bytes
+
+    return live_intervals(step, size_of, scratch_of), per_step
 
 
 class _IntervalBuilder:
@@ -361,28 +401,34 @@ class _IntervalBuilder:
                     self.storages[sid].kind = "gradient"
 
 
-def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
+def analyze(step: RewrittenStep, allocator: str | None = None, memory: MemoryModel | None = None) -> MemoryReport:
     """Liveness of ``step``: timeline, peak, what is live at the peak, saved bytes.
 
     Args:
         step: the rewritten step (``rewrite.rewrite``).
-        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes).
+        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes);
+            default: ``memory``'s, else "cpu".
+        memory: the memory model (storage sizes, op scratch); default:
+            ``MemoryModel.table_only(allocator)``, the ATen formula table at the current
+            thread count, nothing calibrated (``calibration.Calibrator`` calibrates).
 
     Returns:
         The MemoryReport; all sizes in bytes.
 
     Raises:
-        ValueError: unknown allocator, or a symbolic (non-integer) size; use the
-            symbolic model for dynamic shapes.
+        ValueError: unknown allocator, an allocator other than ``memory``'s, or a
+            symbolic (non-integer) size; use the symbolic model for dynamic shapes.
 
     Example:
         Eight ``Linear(256, 256)`` layers, batch 137, fp32, ``none``: the peak is the
         saved inputs plus the gradients live when backward ends; see
         ``tests/test_liveness.py`` for the hand count.
     """
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator {allocator!r} is not one of {ALLOCATORS}")
-    iv = live_intervals(step, lambda v: storage_bytes(v, allocator), lambda n: scratch_bytes(n, allocator))
+    if memory is None:
+        memory = MemoryModel.table_only(allocator or "cpu")
+    elif allocator is not None and allocator != memory.allocator:
+        raise ValueError(f"allocator {allocator!r} differs from the memory model's ({memory.allocator!r})")
+    iv, node_memory = memory_intervals(step, memory)
     storages, fw_steps, bw_steps, saved_sids = iv.storages, iv.fw_steps, iv.bw_steps, iv.saved_sids
     fw_end = len(fw_steps) - 1
     nsteps = len(fw_steps) + len(bw_steps)
@@ -413,9 +459,14 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
     static_bytes = sum(s.nbytes for s in storages if s.static)
     forward_flops = sum(node_flops(n) for n in fw_steps)
     recompute_flops = sum(node_flops(n) for n in bw_steps if step.kind_of.get(n.name) == "recompute")
+    at_peak_op = node_memory[peak_step] if nsteps else None
+    ops_by_source: dict[str, set[str]] = {source: set() for source in SOURCES}
+    for m in node_memory:
+        if m is not None:
+            ops_by_source[m.source].add(m.op)
     return MemoryReport(
         schedule=step.provenance,
-        allocator=allocator,
+        allocator=memory.allocator,
         peak_bytes=peak.live_bytes,
         peak_step=peak_step,
         peak_phase=peak.phase,
@@ -429,4 +480,9 @@ def analyze(step: RewrittenStep, allocator: str = "cpu") -> MemoryReport:
         timeline=tuple(timeline),
         forward_flops=forward_flops,
         recompute_flops=recompute_flops,
+        peak_scratch=at_peak_op,
+        peak_could_move_bytes=memory.could_move_bytes(iv.steps[peak_step], at_peak_op) if nsteps else 0,
+        ops_by_source={k: tuple(sorted(v)) for k, v in ops_by_source.items()},
+        threads=memory.threads,
+        memory=memory,
     )

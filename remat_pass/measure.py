@@ -323,7 +323,8 @@ def measured_step_timeline(step: RewrittenStep, joint: JointGraph, seed: int = 0
     ``record_function("remat::<i>")``. The allocator events are ordered by time and
     summed; step i's value is the largest running sum between the start and the end of
     node i (its inputs and outputs coexist there, as the liveness model counts), or the
-    running sum when it starts if the node allocates nothing. Frees of values after
+    running sum when it starts if the node allocates nothing; a get_attr step (no op
+    runs) takes the running sum when the next op starts. Frees of values after
     their last use happen between nodes, outside every window, as in the model.
 
     Differences from the prediction are real: scratch memory an op allocates and frees
@@ -355,14 +356,18 @@ def measured_step_timeline(step: RewrittenStep, joint: JointGraph, seed: int = 0
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns())
                for e in events if e.name().startswith("remat::")}
     times, running = running_bytes(events)
-    out: list[int] = []
+    out: list[int | None] = []
     for label in fw.labels + bw.labels:
         if label not in windows:  # a get_attr step: no op runs, nothing is allocated
-            out.append(out[-1] if out else 0)
+            out.append(None)
             continue
         start, stop = windows[label]
         i0 = bisect.bisect_left(times, start)
         i1 = bisect.bisect_right(times, stop)
         before = running[i0 - 1] if i0 > 0 else 0
+        # a get_attr step holds what is live when the next op starts: the previous op's
+        # outputs, after the frees that follow it (not its scratch)
+        out = [before if v is None else v for v in out]
         out.append(max([before, *running[i0:i1]]))
-    return tuple(out)
+    end = running[-1] if running else 0
+    return tuple(end if v is None else v for v in out)

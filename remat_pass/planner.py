@@ -20,6 +20,7 @@ from . import schedule as schedules
 from .errors import InvalidSchedule
 from .formatting import parse_bytes
 from .liveness import MemoryReport
+from .memory_model import NodeMemory
 from .regions import LayerStack
 from .schedule import Schedule
 from .symbolic import SymbolicModel
@@ -41,6 +42,10 @@ class Plan:
         solve_time_s: seconds in the solver (all re-solves included).
         resolves: how many times the budget was tightened because the liveness peak
             of the model's answer exceeded it.
+        peak_scratch: the op at the predicted peak and its scratch (bytes, source).
+        peak_could_move_bytes: 0 when that op's scratch is calibrated; else how far the
+            peak could move (``MemoryReport.peak_could_move_bytes``).
+        threads: the intra-op thread count of the prediction.
     """
 
     budget_bytes: int
@@ -53,6 +58,9 @@ class Plan:
     unconstrained_peak_bytes: int
     solve_time_s: float
     resolves: int
+    peak_scratch: NodeMemory | None = None
+    peak_could_move_bytes: int = 0
+    threads: int = 1
 
     @property
     def recompute_fraction(self) -> float:
@@ -139,6 +147,9 @@ class Planner:
             unconstrained_peak_bytes=self.unconstrained_peak_bytes,
             solve_time_s=solve_s,
             resolves=checked.resolves,
+            peak_scratch=rep.peak_scratch,
+            peak_could_move_bytes=rep.peak_could_move_bytes,
+            threads=rep.threads,
         )
 
     def plan_many(self, budgets: Sequence[int | str]) -> list[Plan]:

@@ -62,7 +62,7 @@ def plot_timeline(
     total = [t.live_bytes / MIB for t in report.timeline]
     fig, ax = plt.subplots(figsize=(13, 5.5), dpi=110)
     if step is not None:
-        labels, rows = live_bytes_by_layer(step, report.allocator)
+        labels, rows = live_bytes_by_layer(step, report.memory if report.memory is not None else report.allocator)
         if labels and labels[0] == "outer":  # outer on top: its spikes do not lift the layers
             labels, rows = labels[1:] + labels[:1], rows[1:] + rows[:1]
         cmap = plt.get_cmap("tab20")

@@ -6,9 +6,12 @@ has remat-pass installed gets:
 - the ``remat_peak`` fixture, a ``PeakChecker``: ``remat_peak.check(model, inputs,
   loss_fn, schedule="uniform", recompute_num_layers=2, budget="2GiB", baseline="baselines/gpt.json",
   max_regression="5%")`` traces one training step, rewrites it under the schedule,
-  predicts its peak by liveness analysis (no run, no GPU) and fails the test with
-  ``remat-pass check``'s explanation when the peak exceeds the budget or grows past
-  the baseline; it returns the report (``report.report_json`` dict).
+  predicts its peak by liveness analysis (the step is not run, no GPU; each distinct op
+  signature is run once alone on the CPU to calibrate its scratch memory, cached under
+  ``~/.cache/remat-pass``, unless ``calibrate=False``) and fails the test with
+  ``remat-pass check``'s explanation when the peak (op scratch included) exceeds the
+  budget or grows past the baseline, saying when the op at the peak has no calibrated
+  figure; it returns the report (``report.report_json`` dict).
 - the marker ``@pytest.mark.remat_budget("2GiB")``: the budget ``check`` uses when
   none is passed.
 - ``--remat-update-baseline``: ``check`` writes (overwrites) its baseline file instead
@@ -72,6 +75,7 @@ class PeakChecker:
         recompute_num_layers: int | None = None,
         stack: str | None = None,
         allocator: str = "cpu",
+        calibrate: bool = True,
         k: int | None = None,
         **factory_kwargs: Any,
     ) -> dict[str, Any]:
@@ -86,6 +90,7 @@ class PeakChecker:
             recompute_num_layers: K (uniform) or N (block).
             stack: module path of the layer stack when not found automatically.
             allocator: "cpu" or "cuda" byte model.
+            calibrate: calibrate op scratch on this CPU (False: the formula table only).
             k: the old name of ``recompute_num_layers`` (deprecated).
 
         Raises:
@@ -95,6 +100,7 @@ class PeakChecker:
         # of an environment that has remat-pass, and most never use it (torch is slow
         # to import)
         from . import schedule as schedules
+        from .calibration import CalibrationOptions
         from .models import build
         from .report import report_json
         from .sweep import Session
@@ -104,7 +110,8 @@ class PeakChecker:
             recompute_num_layers = k if recompute_num_layers is None else recompute_num_layers
         if isinstance(model, str):
             model, example_inputs, loss_fn = build(model, **factory_kwargs)
-        session = Session.create(model, example_inputs, loss_fn, layers=stack)
+        session = Session.create(model, example_inputs, loss_fn, layers=stack,
+                                 calibration=CalibrationOptions() if calibrate else None)
         sched = schedules.make(schedule, recompute_num_layers, session.stack.num_layers)
         step, report, _ = session.prepare(sched, allocator)
         return report_json(report, step)

@@ -148,11 +148,47 @@ def report_json(
         "segments": segments,
         "forced_saves": forced,
     }
+    out["op_scratch"] = op_scratch_json(report)
     if timeline:
         out["timeline"] = [t.live_bytes for t in report.timeline]
     if meta:
         out["meta"] = dict(meta)
     return out
+
+
+def op_scratch_json(report: MemoryReport) -> dict[str, Any]:
+    """The ``op_scratch`` object of a report: the op at the peak and its scratch (bytes,
+    and where the figure came from), how far the peak could move when that figure was
+    not calibrated, and which ops' figures came from the formula table or nowhere."""
+    m = report.peak_scratch
+    at_peak = None if m is None else {"node": m.node, "op": m.op, "bytes": m.scratch_bytes,
+                                      "source": m.source, "detail": m.detail}
+    return {
+        "threads": report.threads,
+        "at_peak": at_peak,
+        "peak_could_move_bytes": report.peak_could_move_bytes,
+        "calibrated_ops": len(report.ops_by_source.get("calibrated", ())),
+        "table_ops": list(report.ops_by_source.get("table", ())),
+        "unmodelled_ops": list(report.ops_by_source.get("none", ())),
+    }
+
+
+def op_scratch_text(op_scratch: dict[str, Any] | None) -> str | None:
+    """One sentence on the op scratch at the peak (None for a report without it)."""
+    if not op_scratch or op_scratch.get("at_peak") is None:
+        return None
+    p = op_scratch["at_peak"]
+    head = f"`{p['node']}` ({p['op']}): {_bytes_text(p['bytes'])}"
+    if p["source"] == "calibrated":
+        return head + f", calibrated at {op_scratch['threads']} thread(s)"
+    where = "from the formula table" if p["source"] == "table" else "unknown (not calibrated, no table entry)"
+    return (head + f", {where}, not calibrated: the peak could move by up to "
+            f"{_bytes_text(op_scratch['peak_could_move_bytes'])}")
+
+
+def _bytes_text(nbytes: int) -> str:
+    """``544.2 KiB (557,312 B)``, or ``12 B`` below a KiB."""
+    return fmt_bytes(nbytes) if nbytes < 1024 else f"{fmt_bytes(nbytes)} ({nbytes:,} B)"
 
 
 def dumps_report(doc: Any) -> str:
@@ -279,6 +315,8 @@ def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
             ["saved activations", f"{mib(d['saved_activation_bytes'])} MiB in {len(d['saved'])} tensors"],
             ["recompute", f"{100 * d['recompute_fraction']:.1f} % of forward FLOPs ({d['recompute_flops'] / 1e9:.3f} GFLOPs)"],
             ["schedule", f"`{sched['provenance']}`" + (f": {sched['description']}" if sched.get("description") else "")],
+            *([["op scratch at the peak", op_scratch_text(d.get("op_scratch"))]]
+              if op_scratch_text(d.get("op_scratch")) else []),
         ]),
         "",
         "#### Live at the peak, by layer",
@@ -295,6 +333,15 @@ def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
         ]),
         "",
     ]
+    scratch = d.get("op_scratch") or {}
+    if scratch.get("table_ops") or scratch.get("unmodelled_ops"):
+        lines += [
+            "Op scratch not calibrated: "
+            + "; ".join(f"{label}: {', '.join(f'`{o}`' for o in scratch[key])}"
+                        for key, label in (("table_ops", "from the formula table"),
+                                           ("unmodelled_ops", "unknown (0 assumed)")) if scratch.get(key)),
+            "",
+        ]
     saved = sorted(d["saved"], key=lambda t: (-t["bytes"], t["name"]))
     lines += [
         f"#### Top saved activations ({min(top, len(saved))} of {len(saved)})",
@@ -402,7 +449,21 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
         f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; calibration "
         f"{calibrate_s:.2f} s; total {total_s:.1f} s)",
     ]
+    scratch = _plan_scratch(p)
+    if scratch is not None:
+        lines.append(f"op scratch at peak {op_scratch_text(scratch)}")
+    if measured is not None and measured > b:
+        lines.append(f"OVER BUDGET        the measured peak exceeds the budget by {measured - b} bytes "
+                     f"({fmt_bytes(measured - b)})")
     return "\n".join(lines)
+
+
+def _plan_scratch(p: Plan) -> dict[str, Any] | None:
+    m = p.peak_scratch
+    if m is None:
+        return None
+    return {"threads": p.threads, "peak_could_move_bytes": p.peak_could_move_bytes,
+            "at_peak": {"node": m.node, "op": m.op, "bytes": m.scratch_bytes, "source": m.source, "detail": m.detail}}
 
 
 def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
@@ -427,4 +488,7 @@ def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
         "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
         "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
         "solve_time_s": p.solve_time_s,
+        "measured_over_budget": result.measured_peak_bytes is not None and result.measured_peak_bytes > p.budget_bytes,
+        "op_scratch_at_peak": (_plan_scratch(p) or {}).get("at_peak"),
+        "peak_could_move_bytes": p.peak_could_move_bytes,
     }

@@ -15,8 +15,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import schedule as schedules
+from .calibration import CalibrationOptions, Calibrator
 from .errors import GradientMismatch
 from .liveness import MemoryReport, analyze
+from .memory_model import MemoryModel
 from .measure import (
     eager_grads,
     grads_bitwise_equal,
@@ -99,6 +101,8 @@ class Session:
         reference_grads: gradients of the un-rewritten joint graph (same executor).
         eager_param_grads: parameter gradients of eager autograd.
         seed: RNG seed used for every run (dropout masks).
+        calibrator: calibrates the op scratch of every step predicted on the CPU
+            (``calibration.Calibrator``); None: the formula table only.
     """
 
     joint: JointGraph
@@ -106,6 +110,7 @@ class Session:
     example_inputs: Any = None
     loss_fn: Any = None
     seed: int = 0
+    calibrator: Calibrator | None = None
     _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
@@ -118,8 +123,14 @@ class Session:
         loss_fn: Any = None,
         layers: str | None = None,
         seed: int = 0,
+        calibration: CalibrationOptions | None = CalibrationOptions(),
     ) -> "Session":
         """Trace the step and find the layer stack.
+
+        Args:
+            calibration: how op scratch is calibrated on this machine (the default
+                caches figures under ``~/.cache/remat-pass``); None: the formula table
+                only (``memory_model``).
 
         Raises:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
@@ -128,7 +139,8 @@ class Session:
         find_layer_stack(model, layers)  # fail before tracing when there is none
         joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
-        return cls(joint, stack, example_inputs, loss_fn, seed)
+        calibrator = Calibrator(calibration) if calibration is not None else None
+        return cls(joint, stack, example_inputs, loss_fn, seed, calibrator)
 
     @property
     def reference_grads(self) -> list[Any]:
@@ -153,11 +165,26 @@ class Session:
     def prepare(
         self, schedule: Schedule, allocator: str = "cpu"
     ) -> tuple[RewrittenStep, MemoryReport, float]:
-        """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``."""
+        """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``.
+
+        The memory model is ``memory_model(step, allocator)``: calibrated on the CPU
+        at the current thread count (the seconds include calibrating new signatures).
+        """
         t0 = time.perf_counter()
         step = rewrite(self.joint, self.stack, schedule)
-        report = analyze(step, allocator)
+        report = analyze(step, memory=self.memory_model(step, allocator))
         return step, report, time.perf_counter() - t0
+
+    def memory_model(self, step: RewrittenStep, allocator: str = "cpu") -> MemoryModel:
+        """The MemoryModel of ``step`` at the current thread count: every op signature
+        calibrated on this CPU (``calibrator``), the formula table for the rest, or the
+        table only without a calibrator or for a CUDA allocator."""
+        if self.calibrator is None or not self._on_cpu():
+            return MemoryModel.table_only(allocator)
+        return self.calibrator.memory_model([step], allocator)
+
+    def _on_cpu(self) -> bool:
+        return all(v.device.type == "cpu" for v in self.joint.primal_values if isinstance(v, torch.Tensor))
 
     def report(self, schedule: Schedule, allocator: str = "cpu") -> MemoryReport:
         """The predicted MemoryReport of ``schedule`` (``prepare`` without the step)."""

@@ -47,11 +47,14 @@ def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates
 
     The model's least-peak schedule and, for stacks of at most ``max_front_layers``
     layers, the ``front_candidates`` lowest-peak schedules of its Pareto front are
-    predicted; the lowest prediction wins (ties: the first, i.e. the model's choice).
+    predicted, and so is recomputing nothing (the chain model can be wrong on which side
+    of it a schedule falls: on tiny layers, recompute can cost more bytes than it saves);
+    the lowest prediction wins (ties: the first, i.e. the model's choice).
     """
     candidates = [least_feasible_peak(costs)]
     if costs.num_layers <= max_front_layers:
         candidates += pareto_front(costs)[-front_candidates:]
+    candidates.append(model_peak(costs, ()))
     best: CheckedPlan | None = None
     for sol in candidates:
         peak = predict(sol.groups)

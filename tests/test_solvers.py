@@ -10,7 +10,15 @@ import random
 import pytest
 
 from remat_pass.errors import InfeasibleBudget
-from solvers import ChainCosts, least_peak, least_recompute, model_peak, pareto_front
+from solvers import (
+    ChainCosts,
+    least_feasible_checked,
+    least_peak,
+    least_recompute,
+    least_recompute_checked,
+    model_peak,
+    pareto_front,
+)
 
 
 def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -68,6 +76,21 @@ def test_dynamic_program_is_exact(L, seed):
     # the Pareto front: no schedule is strictly better on both
     for p in pareto_front(c):
         assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
+
+
+def test_least_feasible_checked_considers_recomputing_nothing():
+    """When the exact predictor says every recompute schedule peaks above recomputing
+    nothing (found by the property tests on a 4-layer stack of tiny layers), the least
+    feasible plan is to recompute nothing, so a budget at that peak is feasible."""
+    c = random_costs(4, 5)
+    plain = model_peak(c, ()).peak_bytes
+
+    def predict(groups):  # recompute costs 100 bytes per group
+        return plain + 100 * len(groups)
+
+    least = least_feasible_checked(c, predict)
+    assert least.groups == () and least.predicted_peak_bytes == plain
+    assert least_recompute_checked(c, plain, predict, least).groups == ()
 
 
 def test_negative_recompute_budget():

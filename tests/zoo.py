@@ -48,15 +48,6 @@ def refused(error: type[RematError] = RematError, match: str | None = None) -> R
     return Refusal(error, match, required=True)
 
 
-def scratch(detail: str) -> str:
-    """A ``known_issue`` reason for op scratch memory that the cost model lacks."""
-    return (
-        "CPU-dependent op scratch, not modelled yet (a later issue calibrates it per CPU; "
-        "whether the peak is under-predicted depends on the CPU model and thread count): "
-        + detail
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class ZooEntry:
     """One model of the zoo and what sweeping every Megatron schedule over it must give.
@@ -73,7 +64,6 @@ class ZooEntry:
             empty layer is a silent miss.
         refusal: the RematError allowed or required (None: none is allowed).
         eager_grad_tolerance: largest allowed |grad - eager autograd grad|.
-        known_issue: why the entry may fail today (the test marks it non-strict xfail).
         check: an extra check on the Session after the sweep.
         requires: modules that must be importable (skipped otherwise).
     """
@@ -87,7 +77,6 @@ class ZooEntry:
     empty_layers: tuple[int, ...] = ()
     refusal: Refusal | None = None
     eager_grad_tolerance: float = 1e-5
-    known_issue: str | None = None
     check: Callable[[Session], None] | None = None
     requires: tuple[str, ...] = ()
 
@@ -556,14 +545,6 @@ class Upcast(nn.Module):
 def sq_float(y: torch.Tensor) -> torch.Tensor:
     """``sq`` in float32."""
     return sq(y.float())
-
-
-BF16_SCRATCH = scratch(
-    "bfloat16 on CPU: every addmm/mm allocates and frees a scratch buffer (~7.2 KB here "
-    "with 1 thread, 18 KB for 64x32 @ 32x32 with 2 threads) not modelled by "
-    "costs.transient_bytes; peak under-predicted on every schedule on CPUs that take "
-    "that path (on this AMD EPYC the bfloat16 entries pass)"
-)
 
 
 # ---- 7. random ops --------------------------------------------------------------------
@@ -1098,12 +1079,6 @@ ZOO: tuple[ZooEntry, ...] = (
         stack_of(PreNorm),
         "pre-norm LayerNorm residual blocks.",
         num_layers=3,
-        known_issue=scratch(
-            "CPU native_layer_norm_backward allocates and frees per-thread dgamma/dbeta "
-            "buffers (threads x 2 x D x 4 B: 128 B here on 1 thread, 256 B on 2), not "
-            "modelled by costs.transient_bytes; uniform(K) peaks (at the first layer-norm "
-            "backward) under-predicted by 128 B"
-        ),
     ),
     ZooEntry(
         "user_hooks_on_layers",
@@ -1122,11 +1097,6 @@ ZOO: tuple[ZooEntry, ...] = (
         seeded(parametrized_stack(2, parametrizations.orthogonal, "fc2")),
         "orthogonal parametrization (matrix_exp) of a Linear in every layer.",
         num_layers=2,
-        known_issue=scratch(
-            "CPU linalg_matrix_exp allocates scratch (4112 B forward, 49176 B for the "
-            "2n x 2n exp in backward) not modelled by costs.transient_bytes; peak "
-            "under-predicted 20548 vs 69724 B measured (none, L=2)"
-        ),
     ),
     ZooEntry(
         "spectral_norm_power_iteration_is_refused",
@@ -1159,12 +1129,6 @@ ZOO: tuple[ZooEntry, ...] = (
         seeded(in_eval(lambda: stack(2, BNBlock))),
         "BatchNorm in eval mode reads its running stats as buffers.",
         num_layers=2,
-        known_issue=scratch(
-            "BatchNorm eval on CPU: _native_batch_norm_legit_no_training allocates "
-            "mean/invstd scratch (2 x C x 4 B = 64 B here) and native_batch_norm_backward "
-            "an input-sized temporary (2048 B here), neither modelled by "
-            "costs.transient_bytes; peak under-predicted"
-        ),
     ),
     # 6. dtypes
     ZooEntry(
@@ -1179,7 +1143,6 @@ ZOO: tuple[ZooEntry, ...] = (
         "bfloat16 weights and activations, a float32 loss.",
         num_layers=3,
         eager_grad_tolerance=1e-1,
-        known_issue=BF16_SCRATCH,
     ),
     ZooEntry(
         "bfloat16_layer_upcasts_to_float32",
@@ -1191,12 +1154,12 @@ ZOO: tuple[ZooEntry, ...] = (
         "bfloat16 layers that compute a softmax in float32 and cast back.",
         num_layers=3,
         eager_grad_tolerance=1e-1,
-        known_issue=BF16_SCRATCH,
     ),
     ZooEntry(
         "float16_matmuls",
         seeded(lambda: stack(2).to(torch.float16), lambda: (x(dtype=torch.float16),), sq_float),
-        "float16 matmuls, which on CPU allocate no scratch, unlike bfloat16.",
+        "float16 matmuls: on CPUs with AVX512-FP16 or AMX they allocate oneDNN scratch, "
+        "elsewhere none (calibrated either way).",
         num_layers=2,
         eager_grad_tolerance=1e-1,
     ),
@@ -1311,12 +1274,6 @@ ZOO: tuple[ZooEntry, ...] = (
         stack_of(Conv, 2, make_inputs=lambda: (x(2, 8, 8, 8),), loss_fn=sq),
         "Conv2d + GroupNorm + GELU residual layers on a 4-d input.",
         num_layers=2,
-        known_issue=scratch(
-            "Conv2d on CPU: convolution (8896 B here) and convolution_backward (8-19 KB) "
-            "allocate im2col/packing scratch, native_group_norm_backward 128 B, none "
-            "modelled by costs.transient_bytes; peak under-predicted (none: 32840 vs "
-            "35204 B on this AMD EPYC with 1 thread, 46180 B where first measured)"
-        ),
     ),
     # 10. stack shapes
     ZooEntry(
@@ -1435,11 +1392,6 @@ ZOO: tuple[ZooEntry, ...] = (
         stack_of(SDPA, 2),
         "scaled_dot_product_attention with dropout_p=0 (CPU flash attention).",
         num_layers=2,
-        known_issue=scratch(
-            "CPU flash attention: _scaled_dot_product_flash_attention_for_cpu and its "
-            "backward allocate per-thread scratch (576 B / 544 B here on 1 thread) not "
-            "modelled by costs.transient_bytes; every schedule under-predicted by ~550 B"
-        ),
     ),
     ZooEntry(
         "sdpa_with_dropout",

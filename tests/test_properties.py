@@ -1,0 +1,115 @@
+"""Property tests: random layer stacks under random schedules are exact.
+
+For every generated stack (``stacks.stack_specs``: the families of ``stacks.py`` at odd
+small sizes) and 1 or 2 intra-op threads, under schedules drawn from none / uniform(K) /
+block(N) / optimized (a budget between the least feasible and the unconstrained peak):
+
+- the rewritten step's gradients are bitwise equal to the un-rewritten step's;
+- the predicted peak (liveness, op scratch calibrated on this machine: never a typed-in
+  figure) equals the measured peak, to the byte;
+- an optimized plan's measured peak fits its budget.
+
+Profiles (``tests/conftest.py``): the default runs a few dozen examples, derandomized;
+``--hypothesis-profile=long`` runs thousands. ``$REMAT_PROPERTY_THREADS`` (e.g. ``2``)
+sets the thread counts drawn. With ``$REMAT_PROPERTY_LOG`` set, every schedule
+evaluated appends one JSON line (spec, threads, schedule, peaks, gradients, seconds) to
+that file, for the figures of a long run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from remat_pass import schedule as schedules
+from remat_pass.planner import Planner
+from remat_pass.sweep import Session
+from stacks import StackSpec, build, stack_specs
+
+LOG_ENV = "REMAT_PROPERTY_LOG"
+THREADS_ENV = "REMAT_PROPERTY_THREADS"
+# intra-op thread counts drawn (1 three times as often as 2 by default: two threads
+# spin-wait on a loaded 2-core machine); e.g. REMAT_PROPERTY_THREADS=2 for a long run
+THREADS = tuple(int(t) for t in os.environ.get(THREADS_ENV, "1,1,1,2").split(","))
+
+
+@st.composite
+def schedule_choices(draw, num_layers: int) -> list[tuple]:
+    """1 or 2 of ``("none",)``, ``("uniform", K)``, ``("block", N)``, ``("optimized", f)``
+    (f: where the budget lies between the least feasible and the unconstrained peak)."""
+    one = st.one_of(
+        st.just(("none",)),
+        st.tuples(st.just("uniform"), st.integers(1, num_layers)),
+        st.tuples(st.just("block"), st.integers(0, num_layers)),
+        st.tuples(st.just("optimized"), st.sampled_from([0.0, 0.25, 0.5, 0.9])),
+    )
+    return draw(st.lists(one, min_size=1, max_size=2, unique=True))
+
+
+def _log(record: dict) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _evaluate(session: Session, choice: tuple, planner_box: list) -> dict:
+    """Evaluate one schedule choice; the record of what was predicted and measured."""
+    L = session.stack.num_layers
+    budget = None
+    if choice[0] == "optimized":
+        if not planner_box:
+            planner_box.append(Planner(session.joint, session.stack, session.report))
+        planner = planner_box[0]
+        least = planner.least_feasible()[1]
+        budget = least + int(choice[1] * (planner.unconstrained_peak_bytes - least))
+        sched = planner.plan(budget).schedule
+    else:
+        sched = schedules.make(choice[0], choice[1] if len(choice) > 1 else None, L)
+    r = session.evaluate(sched, strict=False)
+    return {"schedule": sched.provenance, "budget_bytes": budget, "grads_equal": r.grads_equal,
+            "predicted_bytes": r.predicted_peak_bytes, "measured_bytes": r.measured_peak_bytes,
+            "peak_node": r.peak_node}
+
+
+@given(spec=stack_specs(), threads=st.sampled_from(THREADS), data=st.data())
+def test_random_stacks_are_exact(spec: StackSpec, threads: int, data):
+    note(spec.describe())
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    record = {"spec": spec.describe(), "threads": threads}
+    try:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        model, inputs, loss_fn = build(spec)
+        try:
+            session = Session.create(model, inputs, loss_fn, layers="layers")
+        except Exception as e:
+            _log({**record, "error": f"{type(e).__name__}: {e}"[:500], "stage": "trace"})
+            raise
+        choices = data.draw(schedule_choices(spec.num_layers), label="schedules")
+        planner_box: list = []
+        problems = []
+        for choice in choices:
+            try:
+                out = _evaluate(session, choice, planner_box)
+            except Exception as e:
+                _log({**record, "choice": list(choice), "error": f"{type(e).__name__}: {e}"[:500]})
+                raise
+            _log({**record, **out, "seconds": round(time.perf_counter() - t0, 3),
+                  "cpu_s": round(time.process_time() - cpu0, 3)})
+            if not out["grads_equal"]:
+                problems.append(f"{out['schedule']}: gradients differ from the un-rewritten step")
+            elif out["predicted_bytes"] != out["measured_bytes"]:
+                problems.append(f"{out['schedule']}: predicted {out['predicted_bytes']} B != measured "
+                                f"{out['measured_bytes']} B (peak at {out['peak_node']})")
+            elif out["budget_bytes"] is not None and out["measured_bytes"] > out["budget_bytes"]:
+                problems.append(f"{out['schedule']}: measured {out['measured_bytes']} B over the budget "
+                                f"{out['budget_bytes']} B")
+        assert not problems, f"{spec.describe()} threads={threads}\n" + "\n".join(problems)
+    finally:
+        torch.set_num_threads(old_threads)
