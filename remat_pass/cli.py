@@ -10,8 +10,8 @@ Subcommands:
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
 shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
-factory) and ``--stack`` (module path of the layer stack when it is not found
-automatically).
+factory) and ``--stack`` (module path of a layer stack, repeatable for several, when
+they are not found automatically).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .measure import measured_step_timeline
 from .models import build
 from .planner import Planner, max_batch_rows
 from .plot import plot_timeline
+from .regions import LayerStack
 from .report import (
     SWEEP_COLUMNS,
     plan_json,
@@ -71,8 +72,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
     g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
-    g.add_argument("--stack", metavar="PATH",
-                   help="module path of the layer stack (e.g. transformer.h); found automatically if omitted")
+    g.add_argument("--stack", metavar="PATH", action="append",
+                   help="module path of a layer stack (e.g. transformer.h); repeat it for several "
+                        "(--stack encoder.block --stack decoder.block); every stack is found automatically "
+                        "if omitted")
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
 
 
@@ -83,11 +86,17 @@ def load_session(args: argparse.Namespace) -> Session:
     session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed)
     print(
         f"traced {type(model).__name__}: {len(session.joint.gm.graph.nodes)} joint nodes, "
-        f"layer stack {session.stack.path!r} with L={session.stack.num_layers} "
-        f"({time.perf_counter() - t0:.1f}s)",
+        f"{_stacks_text(session.stack)} ({time.perf_counter() - t0:.1f}s)",
         file=sys.stderr,
     )
     return session
+
+
+def _stacks_text(stack: LayerStack) -> str:
+    """``layer stack 'transformer.h' with L=12`` or, for several, each stack's layers."""
+    if len(stack.stacks) == 1:
+        return f"layer stack {stack.path!r} with L={stack.num_layers}"
+    return f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}"
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -109,6 +118,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "model": args.model,
             "layer_stack": session.stack.path,
             "num_layers": session.stack.num_layers,
+            **_stacks_meta(session.stack),
             "static_bytes": sum(int(v.untyped_storage().nbytes()) for v in session.joint.primal_values),
             "rows": [r.to_dict() for r in results],
         })
@@ -142,18 +152,30 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> Non
                    help="allocator model for the predicted bytes (default: %(default)s)")
 
 
-def _schedules(args: argparse.Namespace, num_layers: int) -> list[schedules.Schedule]:
+def _schedules(args: argparse.Namespace, stack: LayerStack) -> list[schedules.Schedule]:
+    per_stack = stack.layers_per_stack
     if getattr(args, "all_schedules", False):
-        return schedules.megatron_schedules(num_layers)
+        return schedules.megatron_schedules(per_stack)
     if args.schedule != "none" and args.recompute_num_layers is None:
         raise ValueError(f"--schedule {args.schedule} needs --recompute-num-layers K (the layer stack has "
-                         f"L={num_layers})")
-    return [schedules.make(args.schedule, args.recompute_num_layers, num_layers)]
+                         f"L={stack.num_layers})" if len(per_stack) == 1 else
+                         f"--schedule {args.schedule} needs --recompute-num-layers K (applied to each of the "
+                         f"layer stacks {stack.describe()})")
+    return [schedules.make(args.schedule, args.recompute_num_layers, per_stack)]
+
+
+def _stacks_meta(stack: LayerStack) -> dict:
+    """``{"layer_stacks": [...]}`` naming each stack and its layers when there are several."""
+    if len(stack.stacks) == 1:
+        return {}
+    return {"layer_stacks": [{"path": s.path, "first_layer": s.first_layer, "num_layers": s.num_layers}
+                             for s in stack.stacks]}
 
 
 def _meta(args: argparse.Namespace, session: Session) -> dict:
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
-            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers}
+            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers,
+            **_stacks_meta(session.stack)}
     return {k: v for k, v in meta.items() if v is not None}
 
 
@@ -175,7 +197,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         desc = load_dump(args.graph)
     else:
         session = load_session(args)
-        (sched,) = _schedules(args, session.stack.num_layers)
+        (sched,) = _schedules(args, session.stack)
         step, report = _predict(args, session, sched)
         desc = describe_step(step, report, _meta(args, session))
         if args.dump:
@@ -188,7 +210,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
     session = load_session(args)
-    todo = _schedules(args, session.stack.num_layers)
+    todo = _schedules(args, session.stack)
     if args.png and len(todo) != 1:
         raise ValueError("--png draws one schedule: drop --all-schedules or --png")
     docs, parts = [], []
@@ -238,7 +260,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         session = load_session(args)
         docs = []
-        for sched in _schedules(args, session.stack.num_layers):
+        for sched in _schedules(args, session.stack):
             step, report = _predict(args, session, sched)
             docs.append(report_json(report, step))
         if args.json:

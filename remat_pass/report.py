@@ -336,9 +336,10 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
     shapes, how close they are to the exact liveness peak of every Megatron setting."""
     L = sm.num_layers
     agg = sm.aggregates()
-    cf = sm.closed_forms()
-    lines = [f"layer stack {sm.stack.path!r}, L = {L}; symbols {', '.join(sm.gens)} "
-             f"(traced at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}); bytes, fp as traced", ""]
+    traced_at = ", ".join(f"{k}={v}" for k, v in sm.hints.items())
+    several = len(sm.stack.stacks) > 1
+    where = f"layer stacks {sm.stack.describe()}, L = {L} in all" if several else f"layer stack {sm.stack.path!r}, L = {L}"
+    lines = [f"{where}; symbols {', '.join(sm.gens)} (traced at {traced_at}); bytes, fp as traced", ""]
     lines.append("per-layer aggregates (read off the graph):")
     for name, label in (("checkpoint_bytes", "s  (saved as a group of one)"),
                         ("stored_layer_bytes", "a  (saved when stored)"),
@@ -350,6 +351,9 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
             lines += [f"  {label:32s} layer {i} = {v}" for i, v in enumerate(vals)]
     lines.append(f"  {'outer saved bytes':32s} = {agg['outer_saved_bytes']}")
     lines.append("")
+    if several:
+        return "\n".join(lines + _several_stacks_text(sm))
+    cf = sm.closed_forms()
     lines.append(f"chain-model terms (middle layer): s = {cf.checkpoint_bytes}, a = {cf.stored_layer_bytes}, "
                  f"g = {cf.param_grad_bytes} (parameter-gradient bytes)")
     for (sym, ex), what in zip(cf.region_peaks.items(), ("top layer's backward, rebuilt",
@@ -379,6 +383,22 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
     lines.append(f"  \\mathrm{{peak}}_{{block}}(N) = {sympy.latex(cf.peak_block)}")
     lines.append(f"  K^* = {sympy.latex(cf.k_star)}")
     return "\n".join(lines)
+
+
+def _several_stacks_text(sm: SymbolicModel) -> list[str]:
+    """For a chain of several stacks: the exact peak of every Megatron setting (applied
+    per stack) at the traced shapes; the closed forms in K / N describe one stack of
+    identical layers and are not printed."""
+    per_stack = sm.stack.layers_per_stack
+    none_terms = len(sm.profile(schedules.none(per_stack)).peak())
+    lines = [f"closed forms in K / N describe one stack; this step chains {len(per_stack)} stacks, "
+             "so the exact liveness peaks follow (uniform / block applied to each stack; "
+             f"SymbolicModel.peak(schedule) gives each as a Max of polynomials: {none_terms} for none)."]
+    if sm.hints:
+        lines.append(f"at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}:")
+        for sch in schedules.megatron_schedules(per_stack):
+            lines.append(f"  {sch.provenance:14s} {fmt_bytes(sm.peak_at(sch, **sm.hints))}")
+    return lines
 
 
 def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: float) -> str:

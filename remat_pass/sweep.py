@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from .measure import (
     measure_step,
     run_joint,
 )
-from .regions import LayerStack, assign_layers, find_layer_stack
+from .regions import LayerStack, assign_layers, find_layer_stacks
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule, megatron_schedules, recompute_fraction
 from .trace import JointGraph, trace_joint
@@ -116,16 +116,17 @@ class Session:
         model: torch.nn.Module,
         example_inputs: Any,
         loss_fn: Any = None,
-        layers: str | None = None,
+        layers: str | Sequence[str] | None = None,
         seed: int = 0,
     ) -> "Session":
-        """Trace the step and find the layer stack.
+        """Trace the step and find the layer stacks (``layers``: a module path, several,
+        or None to find every stack; see ``regions.find_layer_stacks``).
 
         Raises:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
                 assign_layers.
         """
-        find_layer_stack(model, layers)  # fail before tracing when there is none
+        find_layer_stacks(model, layers)  # fail before tracing when there is none
         joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
         return cls(joint, stack, example_inputs, loss_fn, seed)
@@ -210,7 +211,7 @@ class Session:
     def baseline_peak_bytes(self) -> int:
         """Predicted peak of ``none`` (cached)."""
         if self._none_peak is None:
-            self._none_peak = self.prepare(schedules.none(self.stack.num_layers))[1].peak_bytes
+            self._none_peak = self.prepare(schedules.none(self.stack.layers_per_stack))[1].peak_bytes
         return self._none_peak
 
     def check_grads(self, schedule: Schedule, grads: list[Any]) -> None:
@@ -237,7 +238,7 @@ def sweep(
     schedule_list: Iterable[Schedule] | None = None,
     progress: Callable[[int, int, Schedule, ScheduleResult], None] | None = None,
 ) -> list[ScheduleResult]:
-    """Evaluate every schedule (default: ``megatron_schedules(L)``), in order.
+    """Evaluate every schedule (default: ``megatron_schedules`` of the stacks), in order.
 
     Args:
         session: the traced step (``Session.create``).
@@ -246,7 +247,7 @@ def sweep(
 
     Rows whose gradients differ carry ``grads_equal=False`` and no peak figures.
     """
-    todo = list(schedule_list or megatron_schedules(session.stack.num_layers))
+    todo = list(schedule_list or megatron_schedules(session.stack.layers_per_stack))
     results = []
     for i, s in enumerate(todo, 1):
         r = session.evaluate(s, strict=False)
