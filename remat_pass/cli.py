@@ -104,15 +104,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     session = load_session(args)
 
     def progress(i: int, n: int, s, r) -> None:  # noqa: ANN001
-        print(
-            f"[{i:2d}/{n}] {s.provenance:14s} predicted {r.predicted_peak_bytes / 2**20:8.2f} MiB"
-            f"  measured {r.measured_peak_bytes / 2**20:8.2f} MiB"
-            f"  grads {'equal' if r.grads_equal else 'DIFFER'}  ({r.measure_time_s:.1f}s)",
-            file=sys.stderr, flush=True,
-        )
+        peaks = (f"predicted {mib(r.predicted_peak_bytes):>8s} MiB  measured {mib(r.measured_peak_bytes):>8s} MiB"
+                 if r.grads_match else "predicted        - MiB  measured        - MiB")
+        print(f"[{i:2d}/{n}] {s.provenance:14s} {peaks}  grads {r.grads_text()}  ({r.measure_time_s:.1f}s)",
+              file=sys.stderr, flush=True)
 
     results = sweep(session, progress=progress)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
+    noisy = [r for r in results if r.grads_within_run_to_run]
+    if noisy:
+        print(f"note: the un-rewritten step's backward is not bitwise reproducible (its gradients differ by up "
+              f"to {max(r.run_to_run_grad_diff for r in noisy):.2g} between two runs with the same seed, e.g. a "
+              "parallel reduction on several threads); the gradients of "
+              f"{', '.join(r.provenance for r in noisy)} were compared against that difference instead of bit "
+              "for bit (\"within\" in the table). One thread (torch.set_num_threads(1)) may make it reproducible.")
     if args.json:
         write_json(args.json, {
             "model": args.model,
@@ -123,7 +128,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "rows": [r.to_dict() for r in results],
         })
         print(f"wrote {args.json}", file=sys.stderr)
-    return EXIT_OK if all(r.grads_equal for r in results) else EXIT_FAILED
+    return EXIT_OK if all(r.grads_match for r in results) else EXIT_FAILED
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -321,7 +326,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, plan_json(plan, result))
         print(f"wrote {args.json}", file=sys.stderr)
-    return EXIT_OK if result.grads_equal else EXIT_FAILED
+    return EXIT_OK if result.grads_match else EXIT_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:

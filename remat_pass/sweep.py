@@ -4,11 +4,20 @@ One ``ScheduleResult`` per schedule holds the predicted peak (liveness), the mea
 peak (running the rewritten step), and the gradient checks: bitwise equality with the
 un-rewritten joint graph run by the same executor, and the largest difference from
 plain eager autograd.
+
+Kernels whose backward is not bitwise reproducible run to run (a parallel reduction
+whose order depends on thread timing: transformers' Mixtral experts on 2 threads): when
+a schedule's gradients are not bitwise equal to the reference, the un-rewritten step is
+run again with the same seed. If it does not reproduce itself either, each gradient is
+compared with the run-to-run difference observed between those runs of the
+un-rewritten step (per gradient, so a gradient that is reproducible must still be
+equal), and the result says so (``grads_within_run_to_run``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -54,6 +63,14 @@ class ScheduleResult:
             gradients (float rounding of the traced ops; not a correctness check).
         pass_time_s: seconds for rewrite + liveness.
         measure_time_s: seconds to run and measure the step (warm-up included).
+        max_grad_diff_vs_reference: largest |difference| from the un-rewritten step's
+            gradients (0.0 when bitwise equal).
+        run_to_run_grad_diff: largest |difference| between runs of the un-rewritten
+            step itself with the same seed (0.0: bitwise reproducible, or not rerun
+            because the gradients were bitwise equal).
+        grads_within_run_to_run: not bitwise equal, but the un-rewritten step is not
+            reproducible either and every gradient is within the difference observed
+            between its own runs.
     """
 
     schedule: str
@@ -74,6 +91,23 @@ class ScheduleResult:
     max_grad_diff_vs_eager: float
     pass_time_s: float
     measure_time_s: float
+    max_grad_diff_vs_reference: float = 0.0
+    run_to_run_grad_diff: float = 0.0
+    grads_within_run_to_run: bool = False
+
+    @property
+    def grads_match(self) -> bool:
+        """Bitwise equal, or within the un-rewritten step's own run-to-run difference."""
+        return self.grads_equal or self.grads_within_run_to_run
+
+    def grads_text(self) -> str:
+        """``equal``, ``within run-to-run (1.2e-09 <= 3.5e-10 ...)`` or ``DIFFER (...)``."""
+        if self.grads_equal:
+            return "equal"
+        if self.grads_within_run_to_run:
+            return (f"within run-to-run: differ by {self.max_grad_diff_vs_reference:.2g}, the un-rewritten step "
+                    f"by {self.run_to_run_grad_diff:.2g} between its own runs (backward not bitwise reproducible)")
+        return f"DIFFER by {self.max_grad_diff_vs_reference:.2g}"
 
     @property
     def recompute_fraction(self) -> float:
@@ -109,6 +143,7 @@ class Session:
     _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
+    _run_to_run: list[float] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -143,6 +178,23 @@ class Session:
     def reference_grads(self, grads: list[Any]) -> None:
         self._reference_grads = grads
 
+    def run_to_run_grad_diffs(self) -> list[float]:
+        """Per gradient of the un-rewritten step, the largest |difference| between its
+        runs with the same seed: it is run a second time, and a third when the two
+        differ (all 0.0: bitwise reproducible). Computed once, on first use."""
+        if self._run_to_run is None:
+            runs = [self.reference_grads]
+            for _ in range(2):
+                torch.manual_seed(self.seed)
+                runs.append(run_joint(self.joint)[1])
+                if grads_bitwise_equal(runs[0], runs[-1]):
+                    break
+            self._run_to_run = [
+                max(max_abs_diff([a[i]], [b[i]]) for a, b in itertools.combinations(runs, 2))
+                for i in range(len(runs[0]))
+            ]
+        return self._run_to_run
+
     @property
     def eager_param_grads(self) -> list[Any]:
         """Parameter gradients of plain eager autograd (``loss.backward()``)."""
@@ -174,7 +226,8 @@ class Session:
 
         Raises:
             GradientMismatch: (strict) the rewritten step's gradients are not bitwise
-                equal to the un-rewritten joint graph's; no peak is reported for it.
+                equal to the un-rewritten joint graph's, nor within its run-to-run
+                difference; no peak is reported for it.
         """
         step, report, pass_s = self.prepare(schedule)
         t0 = time.perf_counter()
@@ -182,17 +235,21 @@ class Session:
         measure_s = time.perf_counter() - t0
         n_params = self.joint.num_params
         equal = grads_bitwise_equal(m.grads, self.reference_grads)
-        if strict and not equal:
+        within, diff, noise = False, 0.0, 0.0
+        if not equal:
+            within, diff, noise = self._within_run_to_run(m.grads)
+        if strict and not (equal or within):
             self.check_grads(schedule, m.grads)
+        ok = equal or within
         return ScheduleResult(
             schedule=schedule.method,
             recompute_num_layers=schedule.recompute_num_layers,
             provenance=schedule.provenance,
-            predicted_peak_bytes=report.peak_bytes if equal else None,
-            measured_peak_bytes=m.peak_bytes if equal else None,
+            predicted_peak_bytes=report.peak_bytes if ok else None,
+            measured_peak_bytes=m.peak_bytes if ok else None,
             error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
             peak_saving_vs_none_bytes=(
-                self.baseline_peak_bytes() - report.peak_bytes if equal else None
+                self.baseline_peak_bytes() - report.peak_bytes if ok else None
             ),
             saved_activation_bytes=report.saved_activation_bytes,
             recompute_flops=report.recompute_flops,
@@ -205,7 +262,22 @@ class Session:
             max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
             pass_time_s=pass_s,
             measure_time_s=measure_s,
+            max_grad_diff_vs_reference=diff,
+            run_to_run_grad_diff=noise,
+            grads_within_run_to_run=within,
         )
+
+    def _within_run_to_run(self, grads: list[Any]) -> tuple[bool, float, float]:
+        """``(within, largest |grad - reference|, largest run-to-run difference)``:
+        within when the un-rewritten step is not reproducible and every gradient differs
+        from the reference by at most the difference between its own runs."""
+        ref = self.reference_grads
+        if len(grads) != len(ref):
+            return False, float("inf"), 0.0
+        diffs = [max_abs_diff([g], [r]) for g, r in zip(grads, ref)]
+        noise = self.run_to_run_grad_diffs()
+        within = max(noise) > 0 and all(d <= n for d, n in zip(diffs, noise))
+        return within, max(diffs, default=0.0), max(noise, default=0.0)
 
 
     def baseline_peak_bytes(self) -> int:
@@ -218,16 +290,19 @@ class Session:
         """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
 
         Raises:
-            GradientMismatch: names the first primal whose gradient differs.
+            GradientMismatch: names the first primal whose gradient differs (beyond
+                the un-rewritten step's run-to-run difference, when it has one).
         """
         if grads_bitwise_equal(grads, self.reference_grads):
             return
-        for label, g, ref in zip(self.joint.primal_labels, grads, self.reference_grads):
-            if not grads_bitwise_equal([g], [ref]):
-                diff = max_abs_diff([g], [ref])
+        noise = self.run_to_run_grad_diffs()
+        for label, g, ref, n in zip(self.joint.primal_labels, grads, self.reference_grads, noise):
+            diff = max_abs_diff([g], [ref])
+            if not grads_bitwise_equal([g], [ref]) and not (n > 0 and diff <= n):
+                also = f"; its own runs differ by {n:.3g}" if n else ""
                 raise GradientMismatch(
                     f"{schedule.provenance}: the gradient of {label} differs from the "
-                    f"un-rewritten step (max |diff| {diff:.3g}); the rewrite is wrong and "
+                    f"un-rewritten step (max |diff| {diff:.3g}{also}); the rewrite is wrong and "
                     "its peak is not reported"
                 )
         raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
@@ -245,7 +320,7 @@ def sweep(
         schedule_list: schedules to evaluate.
         progress: called after each schedule with (index from 1, total, schedule, result).
 
-    Rows whose gradients differ carry ``grads_equal=False`` and no peak figures.
+    Rows whose gradients differ (``grads_match`` False) carry no peak figures.
     """
     todo = list(schedule_list or megatron_schedules(session.stack.layers_per_stack))
     results = []
