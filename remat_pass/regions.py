@@ -184,10 +184,11 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
 
 
 def _inside_layer_of(name: str, stacks: Mapping[str, Sequence[str]]) -> str | None:
-    """The stack of ``stacks`` one of whose layers holds the module ``name``, or None
-    (a container inside one layer of another: the experts of an MoE layer)."""
+    """The stack of ``stacks`` one of whose layers is or holds the module ``name``, or
+    None (a container inside one layer of another: the experts of an MoE layer)."""
     for other, kids in stacks.items():
-        if other != name and any(name.startswith(_join(other, k) + ".") for k in kids):
+        if other != name and any(name == _join(other, k) or name.startswith(_join(other, k) + ".")
+                                 for k in kids):
             return other
     return None
 

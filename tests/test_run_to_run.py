@@ -80,8 +80,12 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def test_not_reproducible_backward_is_detected_and_compared_with_its_run_to_run_difference():
-    session = Session.create(*jittery_model())
+@pytest.fixture(scope="module")
+def session() -> Session:
+    return Session.create(*jittery_model())
+
+
+def test_not_reproducible_backward_is_detected_and_compared_with_its_run_to_run_difference(session):
     within = 0
     for sch in schedules.megatron_schedules(3):
         r = session.evaluate(sch)  # strict: must not raise
@@ -94,11 +98,9 @@ def test_not_reproducible_backward_is_detected_and_compared_with_its_run_to_run_
     assert within and max(session.run_to_run_grad_diffs()) > 0
 
 
-def test_a_gradient_that_is_reproducible_must_still_be_equal():
+def test_a_gradient_that_is_reproducible_must_still_be_equal(session):
     """Negative control: the tolerance is per gradient. The head's gradient is
     reproducible (the jitter sits inside the layers), so a change to it is a mismatch."""
-    session = Session.create(*jittery_model())
-    session.run_to_run_grad_diffs()
     noise = dict(zip(session.joint.primal_labels, session.run_to_run_grad_diffs()))
     assert noise["head.weight"] == 0 and noise["blocks.0.fc.weight"] > 0
     grads = [None if g is None else g.clone() for g in session.reference_grads]

@@ -1028,16 +1028,6 @@ ZOO: tuple[ZooEntry, ...] = (
         check=check_enc_dec_stacks,
     ),
     ZooEntry(
-        "encoder_decoder_both_named",
-        seeded(EncDec, lambda: (x(), x(seed=2))),
-        "both stacks of an encoder-decoder named (layers=('dec', 'enc')): chained in the "
-        "order the forward runs them.",
-        num_layers=5,
-        layers=("dec", "enc"),
-        expect_stack_path="enc, dec",
-        check=check_enc_dec_stacks,
-    ),
-    ZooEntry(
         "encoder_decoder_encoder_named",
         seeded(EncDec, lambda: (x(), x(seed=2))),
         "the shorter encoder stack of an encoder-decoder named with layers='enc', its "
