@@ -1,5 +1,6 @@
-"""No crash, no silence: loss closures over target tensors run under every schedule, and
-a budget that is no size is an error, not a plan."""
+"""No crash, no silence: loss closures over target tensors run under every schedule, a
+budget that is no size is an error, not a plan, and a traced step that cannot run on the
+real tensors is refused naming the node."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat_pass import cli
-from remat_pass.errors import InvalidSchedule
+from remat_pass import schedule as schedules
+from remat_pass.errors import InvalidSchedule, UnsupportedGraph
 from remat_pass.planner import Planner
 from remat_pass.sweep import Session
 
@@ -108,3 +110,69 @@ def test_plan_command_exits_2_on_a_budget_that_is_no_size(bad, capsys):
                      "--budget", bad])
     err = capsys.readouterr().err
     assert code == cli.EXIT_USAGE and "error" in err and "Traceback" not in err
+
+
+class BatchNormTransposed(nn.Module):
+    """Eval-mode BatchNorm1d over the channels of a [B, T, C] input, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(D)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.fc(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+
+class SquareMatmulNorm(nn.Module):
+    """``matmul(W, h)`` with a square [T, T] weight over a [B, T, C] input, then LayerNorm."""
+
+    def __init__(self, t: int = 5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(t, t))
+        self.ln = nn.LayerNorm(D)
+
+    def forward(self, h):
+        return self.ln(torch.matmul(self.weight, h)) + h
+
+
+class Blocks(nn.Module):
+    def __init__(self, cls):
+        super().__init__()
+        self.blocks = nn.ModuleList(cls() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def batch_norm_transposed():
+    torch.manual_seed(0)
+    return Blocks(BatchNormTransposed).eval(), (torch.randn(3, 5, D),), lambda y: y.sum()
+
+
+def square_matmul_norm():
+    torch.manual_seed(0)
+    return Blocks(SquareMatmulNorm), (torch.randn(3, 5, D),), lambda y: y.sum()
+
+
+@pytest.mark.parametrize("build,culprit", [
+    (batch_norm_transposed, "_native_batch_norm_legit_no_training"),
+    (square_matmul_norm, "native_layer_norm_backward"),
+], ids=["batchnorm1d_transposed", "square_matmul_layernorm"])
+def test_step_whose_traced_strides_are_wrong_is_refused_naming_the_node(build, culprit):
+    """Before: a raw ``RuntimeError: view size is not compatible`` from inside the
+    executor. The op's meta function and its CPU kernel disagree on the output's
+    strides, so a later ``view`` of the traced graph fails on the real tensors: the
+    error names that view and the op whose real layout first differed."""
+    session = Session.create(*build())
+    with pytest.raises(UnsupportedGraph, match=r"cannot run: node view\w* \(aten\.view\.default\)") as e:
+        session.evaluate(schedules.none(session.stack.layers_per_stack))
+    assert culprit in str(e.value) and "contiguous" in str(e.value)
+
+
+def test_sweep_command_exits_2_naming_the_node(capsys):
+    code = cli.main(["sweep", "--model", "test_no_crash:batch_norm_transposed"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE and "cannot run: node view" in err and "Traceback" not in err
