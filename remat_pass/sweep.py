@@ -8,16 +8,15 @@ plain eager autograd.
 Kernels whose backward is not bitwise reproducible run to run (a parallel reduction
 whose order depends on thread timing: transformers' Mixtral experts on 2 threads): when
 a schedule's gradients are not bitwise equal to the reference, the un-rewritten step is
-run again with the same seed. If it does not reproduce itself either, each gradient is
-compared with the run-to-run difference observed between those runs of the
-un-rewritten step (per gradient, so a gradient that is reproducible must still be
+run again with the same seed. If it does not reproduce itself either, it is run
+``REFERENCE_RUNS`` times, and each gradient is compared with the largest difference
+observed between those runs of the un-rewritten step (per gradient, so a gradient that is reproducible must still be
 equal), and the result says so (``grads_within_run_to_run``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -39,6 +38,10 @@ from .schedule import Schedule, megatron_schedules, recompute_fraction
 from .trace import JointGraph, trace_joint
 
 __all__ = ["ScheduleResult", "Session", "megatron_schedules", "sweep"]
+
+REFERENCE_RUNS = 8
+"""Runs of the un-rewritten step that measure its run-to-run difference when it is not
+bitwise reproducible (twice that when a schedule's gradients fall outside it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +146,9 @@ class Session:
     _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
-    _run_to_run: list[float] | None = dataclasses.field(default=None, repr=False)
+    _envelope: list[Any] | None = dataclasses.field(default=None, repr=False)
+    _reference_runs: int = dataclasses.field(default=0, repr=False)
+    _reproducible: bool = dataclasses.field(default=False, repr=False)
 
     @classmethod
     def create(
@@ -178,22 +183,38 @@ class Session:
     def reference_grads(self, grads: list[Any]) -> None:
         self._reference_grads = grads
 
-    def run_to_run_grad_diffs(self) -> list[float]:
+    def run_to_run_grad_diffs(self, runs: int = REFERENCE_RUNS) -> list[float]:
         """Per gradient of the un-rewritten step, the largest |difference| between its
-        runs with the same seed: it is run a second time, and a third when the two
-        differ (all 0.0: bitwise reproducible). Computed once, on first use."""
-        if self._run_to_run is None:
-            runs = [self.reference_grads]
-            for _ in range(2):
-                torch.manual_seed(self.seed)
-                runs.append(run_joint(self.joint)[1])
-                if grads_bitwise_equal(runs[0], runs[-1]):
-                    break
-            self._run_to_run = [
-                max(max_abs_diff([a[i]], [b[i]]) for a, b in itertools.combinations(runs, 2))
-                for i in range(len(runs[0]))
-            ]
-        return self._run_to_run
+        runs with the same seed (all 0.0: bitwise reproducible).
+
+        It is run a second time; when the two differ, until ``runs`` runs in all (the
+        differences take a few discrete values, from the order of a parallel reduction,
+        so a handful of runs sees the range). Each gradient's elementwise minimum and
+        maximum over the runs are kept, so the largest difference of any two runs is
+        ``max(hi - lo)``. Computed once; a larger ``runs`` adds runs.
+        """
+        if self._envelope is None:
+            ref = self.reference_grads
+            self._envelope = [None if g is None else (g.clone(), g.clone()) for g in ref]
+            self._reference_runs = 1
+            self._reproducible = grads_bitwise_equal(ref, self._reference_run())
+        if not self._reproducible:
+            while self._reference_runs < runs:
+                self._reference_run()
+        return [0.0 if e is None else float((e[1].double() - e[0].double()).abs().max()) if e[0].numel() else 0.0
+                for e in self._envelope]
+
+    def _reference_run(self) -> list[Any]:
+        """One more run of the un-rewritten step, folded into the envelope."""
+        torch.manual_seed(self.seed)
+        grads = run_joint(self.joint)[1]
+        assert self._envelope is not None
+        for e, g in zip(self._envelope, grads):
+            if e is not None and g is not None:
+                torch.minimum(e[0], g, out=e[0])
+                torch.maximum(e[1], g, out=e[1])
+        self._reference_runs += 1
+        return grads
 
     @property
     def eager_param_grads(self) -> list[Any]:
@@ -277,6 +298,9 @@ class Session:
         diffs = [max_abs_diff([g], [r]) for g, r in zip(grads, ref)]
         noise = self.run_to_run_grad_diffs()
         within = max(noise) > 0 and all(d <= n for d, n in zip(diffs, noise))
+        if not within and max(noise) > 0:  # not reproducible: look at more runs once
+            noise = self.run_to_run_grad_diffs(2 * REFERENCE_RUNS)
+            within = all(d <= n for d, n in zip(diffs, noise))
         return within, max(diffs, default=0.0), max(noise, default=0.0)
 
 
