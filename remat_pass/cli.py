@@ -260,6 +260,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """CI gate: exit 1 when a predicted peak exceeds --budget or regresses past --baseline."""
     if args.budget is None and args.baseline is None:
         raise ValueError("nothing to check: give --budget SIZE and/or --baseline PATH")
+    session = None
     if args.report:
         docs = read_reports(args.report)
     else:
@@ -273,6 +274,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}", file=sys.stderr)
     result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression)
     print(result.text())
+    if session is not None and any(f.check == "budget" and not f.ok for f in result.findings):
+        print(_fitting_schedules(args, session, parse_bytes(args.budget), docs))
     if args.markdown:
         verdict = "passed" if result.ok else "FAILED"
         _write(args.markdown, f"### remat-pass check {verdict}\n\n{summary_markdown(docs)}\n\n"
@@ -280,15 +283,49 @@ def cmd_check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _fitting_schedules(args: argparse.Namespace, session: Session, budget_bytes: int, docs: list) -> str:
+    """The Megatron settings whose predicted peak fits the budget, least recompute first
+    (what a failing ``check --budget`` suggests)."""
+    done = {d["schedule"]["provenance"]: d for d in docs}
+    rows = []
+    for sched in schedules.megatron_schedules(session.stack.layers_per_stack):
+        d = done.get(sched.provenance)
+        if d is None:
+            step, report = _predict(args, session, sched)
+            d = report_json(report, step)
+        if d["peak_bytes"] <= budget_bytes:
+            rows.append((d["recompute_flops"], d["peak_bytes"], sched.provenance))
+    if not rows:
+        return (f"no Megatron setting (none, uniform K, block N) fits {fmt_bytes(budget_bytes)}; "
+                "`remat-pass plan --budget` finds the least peak an optimized schedule reaches")
+    rows.sort()
+    return (f"schedules whose predicted peak fits {fmt_bytes(budget_bytes)}, least recompute first: "
+            + ", ".join(f"{name} ({mib(peak)} MiB)" for _, peak, name in rows))
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
     model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
-    print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s)",
-          file=sys.stderr)
+    print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s); "
+          f"{_stacks_text(sm.stack)}", file=sys.stderr, flush=True)
+    _profile_with_progress(sm)
     print(symbolic_model_text(sm))
     return EXIT_OK
+
+
+def _profile_with_progress(sm) -> None:  # noqa: ANN001 - a SymbolicModel
+    """Profile every schedule ``symbolic_model_text`` reads (cached by the model), one
+    line on stderr each, so a long model shows where it is."""
+    per_stack = sm.stack.layers_per_stack
+    todo = list(dict.fromkeys([*schedules.megatron_schedules(per_stack),
+                               schedules.uniform(max(per_stack), per_stack)]))
+    t0 = time.perf_counter()
+    for i, sched in enumerate(todo, 1):
+        sm.profile(sched)
+        print(f"[{i:2d}/{len(todo)}] symbolic liveness of {sched.provenance} ({time.perf_counter() - t0:.1f}s)",
+              file=sys.stderr, flush=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

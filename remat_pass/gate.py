@@ -185,6 +185,41 @@ def check_regression(
     return Finding(name, "baseline", ok, headline, details)
 
 
+IDENTITY_FIELDS = (
+    (("static_bytes",), "static bytes (parameters, buffers and inputs)"),
+    (("schedule", "num_layers"), "L, the layers of the stack(s)"),
+)
+"""What a report records of its model: a baseline of another model (other parameter
+or input shapes, other layer count) differs in one of them."""
+
+
+def check_same_model(reports: Sequence[dict[str, Any]], base_by_name: dict[str, dict[str, Any]]) -> None:
+    """Refuse a baseline whose reports are of another model than ``reports``.
+
+    Compares, for each schedule present in both, the fields of ``IDENTITY_FIELDS``: the
+    static bytes (every parameter, buffer and input: another width, vocabulary, batch or
+    sequence length changes them) and L.
+
+    Raises:
+        ValueError: a field differs; the message names the schedule, the field and both
+            values.
+    """
+    for r in reports:
+        b = base_by_name.get(r["schedule"]["provenance"])
+        if b is None:
+            continue
+        for path, what in IDENTITY_FIELDS:
+            now, then = r, b
+            for key in path:
+                now, then = now.get(key), then.get(key)
+            if now is not None and then is not None and now != then:
+                raise ValueError(
+                    f"the baseline is of another model: {r['schedule']['provenance']} has {what} = {now:,} "
+                    f"now and {then:,} in the baseline; compare against a baseline of this model (same "
+                    "parameters, inputs and layers), or write a new one with `remat-pass report --json`"
+                )
+
+
 def run_gate(
     reports: Sequence[dict[str, Any]],
     *,
@@ -206,7 +241,8 @@ def run_gate(
         A GateResult; ``exit_code`` 1 when any check failed.
 
     Raises:
-        ValueError: neither a budget nor a baseline was given, or no report.
+        ValueError: neither a budget nor a baseline was given, no report, or the
+            baseline is of another model (``check_same_model``).
     """
     if budget_bytes is None and baseline is None:
         raise ValueError("nothing to check: give a budget (--budget 2GiB) and/or a baseline (--baseline report.json)")
@@ -214,6 +250,8 @@ def run_gate(
         raise ValueError("no report to check")
     findings: list[Finding] = []
     base_by_name = {b["schedule"]["provenance"]: b for b in baseline or ()}
+    if baseline is not None:
+        check_same_model(reports, base_by_name)
     for r in reports:
         name = r["schedule"]["provenance"]
         if budget_bytes is not None:

@@ -230,13 +230,29 @@ def read_reports(path: str | Path) -> list[dict[str, Any]]:
             f"{path} has schema_version {doc.get('schema_version')!r}; this remat-pass reads 1 and "
             f"{SCHEMA_VERSION}: regenerate it with `remat-pass report --json`")
     doc = _upgrade(doc)
-    full = schema()  # validate against the branch of the kind the file claims
-    branch = {"$defs": full["$defs"], "$ref": "#/$defs/" + ("report" if kind == "remat-pass-report" else "reports")}
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(branch).iter_errors(doc))
+    error = schema_error(doc, kind)
     if error is not None:
-        field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise ValueError(f"{path}: field {field}: {error.message} (schema: remat_pass/report_schema.json)")
+        raise ValueError(f"{path}: {error} (schema: remat_pass/report_schema.json)")
     return list(doc["reports"]) if kind == "remat-pass-reports" else [doc]
+
+
+def schema_error(doc: Any, kind: str, prefix: str = "") -> str | None:
+    """Why ``doc`` is not a valid document of ``kind`` (``remat-pass-report`` or
+    ``remat-pass-reports``, validated against that branch of ``report_schema.json``):
+    ``"field peak_bytes: -1 is less than the minimum of 0"``, or None when valid.
+    ``prefix`` is put before the field path (a report inside another document)."""
+    full = schema()
+    branch = {"$defs": full["$defs"], "$ref": "#/$defs/" + ("report" if kind == "remat-pass-report" else "reports")}
+    return validation_message(branch, doc, prefix)
+
+
+def validation_message(schema_doc: dict[str, Any], doc: Any, prefix: str = "") -> str | None:
+    """The most relevant jsonschema error of ``doc`` as ``field a/0/b: message``, or None."""
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema_doc).iter_errors(doc))
+    if error is None:
+        return None
+    field = "/".join([prefix, *map(str, error.absolute_path)] if prefix else map(str, error.absolute_path))
+    return f"field {field or '(top level)'}: {error.message}"
 
 
 # --------------------------------------------------------------------------- Markdown

@@ -178,6 +178,17 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     )
 
 
+def _describe_value(value: Any) -> str:
+    """``a tensor of shape [8, 6] (float32)``, ``a tuple of 2``, or the type's name (a
+    traced tensor is named by its shape, not its internal tensor type)."""
+    if isinstance(value, torch.Tensor):
+        shape = ", ".join(str(d) for d in value.shape)
+        return f"a tensor of shape [{shape}] ({str(value.dtype).replace('torch.', '')})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar loss of one model output.
 
@@ -196,10 +207,11 @@ def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
         elif isinstance(loss, dict) and "loss" in loss:
             loss = loss["loss"]
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = "the loss_fn returned" if loss_fn is not None else "the model output is"
         raise RematError(
-            "the training step needs a scalar loss: the model output is "
-            f"{type(output).__name__}; pass loss_fn(output) -> scalar tensor, or make the "
-            "model return the loss (or an object with a .loss)"
+            f"the training step needs a scalar loss: {what} {_describe_value(loss)}; pass "
+            "loss_fn(output) -> scalar tensor (e.g. .sum() or .mean() of it), or make the model "
+            "return the loss (or an object with a .loss)"
         )
     return loss
 
