@@ -4,7 +4,9 @@ real tensors is refused naming the node."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +178,119 @@ def test_sweep_command_exits_2_naming_the_node(capsys):
     code = cli.main(["sweep", "--model", "test_no_crash:batch_norm_transposed"])
     err = capsys.readouterr().err
     assert code == cli.EXIT_USAGE and "cannot run: node view" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- files, factories, gate
+
+
+def linear(width: int = 16, layers: int = 3):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), (torch.randn(4, width),), lambda y: y.sum()
+
+
+def linear_wide():
+    return linear(64)
+
+
+def factory_raises():
+    raise RuntimeError("no such checkpoint")
+
+
+def factory_string_inputs():
+    return linear()[0], "hello", None
+
+
+def factory_vector_loss():
+    model, inputs, _ = linear()
+    return model, inputs, lambda y: y
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("factory,message", [
+    ("factory_raises", "factory test_no_crash:factory_raises raised RuntimeError: no such checkpoint"),
+    ("factory_string_inputs", "factory test_no_crash:factory_string_inputs returned example inputs of type str"),
+    ("factory_vector_loss", r"scalar loss: the loss_fn returned a tensor of shape [4, 16] (float32)"),
+])
+def test_bad_factory_is_named_not_a_traceback(factory, message, capsys):
+    """Before: the factory's own traceback; a TypeError from inside tracing; a loss named
+    by its internal tensor type (FunctionalTensor)."""
+    code, _, err = _run(capsys, "report", "--model", f"test_no_crash:{factory}")
+    assert code == cli.EXIT_USAGE and message in err and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def dump_file(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("dump")
+    assert cli.main(["inspect", "--model", "test_no_crash:linear", "--schedule", "uniform",
+                     "--recompute-num-layers", "1", "--dump", str(folder), "--section", "summary"]) == 0
+    (path,) = folder.glob("*.remat.json")
+    return path
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["nodes"][0].pop("op"), "field nodes/0: 'op' is a required property"),
+    (lambda d: d["segments"][0].update(recompute_bytes="12"), "field segments/0/recompute_bytes: '12' is not of type"),
+    (lambda d: d["report"].update(peak_bytes=-5), "field report/peak_bytes: -5 is less than the minimum of 0"),
+])
+def test_graph_dump_with_a_bad_field_is_refused_naming_it(dump_file, tmp_path, edit, message, capsys):
+    """Before: KeyError / TypeError tracebacks from the table code."""
+    doc = json.loads(dump_file.read_text())
+    edit(doc)
+    bad = tmp_path / "bad.remat.json"
+    bad.write_text(json.dumps(doc))
+    code, _, err = _run(capsys, "inspect", "--graph", str(bad))
+    assert code == cli.EXIT_USAGE and str(bad) in err and message in err and "Traceback" not in err, err
+
+
+def test_binary_files_name_the_file(dump_file, tmp_path, capsys):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)))
+    for argv in (["inspect", "--graph", str(binary)], ["check", "--report", str(binary), "--budget", "1GiB"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == cli.EXIT_USAGE and f"{binary} is not JSON text" in err, err
+    assert cli.main(["inspect", "--graph", str(dump_file), "--section", "summary"]) == 0
+
+
+def test_report_with_a_negative_peak_is_refused(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert cli.main(["report", "--model", "test_no_crash:linear", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    doc["peak_bytes"] = -1
+    path.write_text(json.dumps(doc))
+    code, _, err = _run(capsys, "check", "--report", str(path), "--budget", "1GiB")
+    assert code == cli.EXIT_USAGE and "field peak_bytes: -1 is less than the minimum of 0" in err, err
+
+
+def test_baseline_of_another_model_is_an_error(tmp_path, capsys):
+    """Before: ``check --baseline`` of a 4x wider model against a narrow baseline passed."""
+    base = tmp_path / "narrow.json"
+    assert cli.main(["report", "--model", "test_no_crash:linear", "--all-schedules", "--json", str(base)]) == 0
+    code, _, err = _run(capsys, "check", "--model", "test_no_crash:linear_wide", "--all-schedules",
+                        "--baseline", str(base))
+    assert code == cli.EXIT_USAGE and "the baseline is of another model" in err, err
+    assert "static bytes (parameters, buffers and inputs)" in err
+    code, out, err = _run(capsys, "check", "--model", "test_no_crash:linear", "--all-schedules", "--baseline", str(base))
+    assert code == cli.EXIT_OK, out + err
+
+
+def tanh_net():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(64, D, generator=torch.Generator().manual_seed(1)),), lambda y: (y ** 2).mean()
+
+
+def test_failing_budget_names_the_schedules_that_fit(tmp_path, capsys):
+    """Before: only FAIL. The budget lies between none's peak and uniform(K=1)'s."""
+    session = Session.create(*tanh_net())
+    peaks = {s.provenance: session.report(s).peak_bytes for s in schedules.megatron_schedules(3)}
+    budget = (peaks["none"] + peaks["uniform(K=1)"]) // 2
+    assert peaks["uniform(K=1)"] <= budget < peaks["none"]
+    code, out, _ = _run(capsys, "check", "--model", "test_no_crash:tanh_net", "--budget", str(budget))
+    fit = sorted(name for name, peak in peaks.items() if peak <= budget)
+    assert code == 1 and "schedules whose predicted peak fits" in out
+    line = out.splitlines()[-1]
+    assert sorted(part.split(" (")[0] for part in line.split(": ", 1)[1].split(", ")) == fit
