@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from .formatting import fmt_bytes, parse_bytes, parse_fraction, signed_bytes
+from .formatting import fmt_bytes, natural_key, parse_bytes, parse_fraction, signed_bytes
 from .report import read_reports, reports_document, write_report
 
 EXIT_OK = 0
@@ -92,7 +92,7 @@ def what_is_live(report: dict[str, Any], top: int = 8) -> list[str]:
     """Lines naming the bytes live at the peak by layer and the largest live tensors."""
     by_layer = ", ".join(f"{k}: {fmt_bytes(v)}" for k, v in report["live_at_peak_by_layer"].items())
     out = [f"live at the peak by layer: {by_layer}", "largest tensors live at the peak:"]
-    for t in report["live_at_peak"][:top]:
+    for t in sorted(report["live_at_peak"], key=lambda t: (-t["bytes"], natural_key(t["name"])))[:top]:
         out.append(f"  {t['name']} (layer {_layer_key(t['layer'])}, {t['kind']}): {fmt_bytes(t['bytes'])}")
     more = len(report["live_at_peak"]) - top
     if more > 0:

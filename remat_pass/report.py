@@ -22,7 +22,7 @@ import sympy
 from solvers import closed_forms
 
 from . import schedule as schedules
-from .formatting import fmt_bytes, markdown_table, mib
+from .formatting import fmt_bytes, markdown_table, mib, natural_key
 from .liveness import MemoryReport
 from .planner import Plan
 from .rewrite import RewrittenStep
@@ -278,6 +278,11 @@ def report_markdown(report: MemoryReport, step: RewrittenStep | None = None, top
     return markdown_from_json(d, top)
 
 
+def _largest_first(t: dict[str, Any]) -> tuple:
+    """Tensors by size, then name in natural order (``_softmax_2`` before ``_softmax_10``)."""
+    return (-t["bytes"], natural_key(t["name"]))
+
+
 def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
     """``report_markdown`` from a ``report_json`` dict (also one read back from disk)."""
     sched = d["schedule"]
@@ -307,11 +312,12 @@ def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
         f"#### Largest tensors live at the peak ({min(top, len(d['live_at_peak']))} of {len(d['live_at_peak'])})",
         "",
         markdown_table(("tensor", "layer", "kind", "MiB"), [
-            [f"`{t['name']}`", _layer_key(t["layer"]), t["kind"], mib(t["bytes"])] for t in d["live_at_peak"][:top]
+            [f"`{t['name']}`", _layer_key(t["layer"]), t["kind"], mib(t["bytes"])]
+            for t in sorted(d["live_at_peak"], key=_largest_first)[:top]
         ]),
         "",
     ]
-    saved = sorted(d["saved"], key=lambda t: (-t["bytes"], t["name"]))
+    saved = sorted(d["saved"], key=_largest_first)
     lines += [
         f"#### Top saved activations ({min(top, len(saved))} of {len(saved)})",
         "",

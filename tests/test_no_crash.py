@@ -294,3 +294,15 @@ def test_failing_budget_names_the_schedules_that_fit(tmp_path, capsys):
     assert code == 1 and "schedules whose predicted peak fits" in out
     line = out.splitlines()[-1]
     assert sorted(part.split(" (")[0] for part in line.split(": ", 1)[1].split(", ")) == fit
+
+
+def test_tables_sort_node_names_naturally():
+    """Before: ``_softmax_10`` and ``_softmax_11`` before ``_softmax_2`` (string order)."""
+    from remat_pass.report import markdown_from_json
+
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / ".ci" / "baseline" / "default_model.json").read_text())["reports"][0]
+    md = markdown_from_json(doc, top=20)
+    table = md.split("#### Largest tensors live at the peak")[1].split("####")[0]
+    names = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `_softmax")]
+    assert names == ["_softmax"] + [f"_softmax_{i}" for i in range(1, 12)], names
