@@ -10,8 +10,8 @@ Subcommands:
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
 shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
-factory) and ``--stack`` (module path of the layer stack when it is not found
-automatically).
+factory) and ``--stack`` (module path of a layer stack, repeatable for several, when
+they are not found automatically).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .measure import measured_step_timeline
 from .models import build
 from .planner import Planner, max_batch_rows
 from .plot import plot_timeline
+from .regions import LayerStack
 from .report import (
     SWEEP_COLUMNS,
     plan_json,
@@ -72,8 +73,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
     g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
-    g.add_argument("--stack", metavar="PATH",
-                   help="module path of the layer stack (e.g. transformer.h); found automatically if omitted")
+    g.add_argument("--stack", metavar="PATH", action="append",
+                   help="module path of a layer stack (e.g. transformer.h); repeat it for several "
+                        "(--stack encoder.block --stack decoder.block); every stack is found automatically "
+                        "if omitted")
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
     g = p.add_argument_group("op scratch")
     g.add_argument("--no-calibrate", action="store_true",
@@ -90,8 +93,7 @@ def load_session(args: argparse.Namespace) -> Session:
     session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed, calibration=calibration)
     print(
         f"traced {type(model).__name__}: {len(session.joint.gm.graph.nodes)} joint nodes, "
-        f"layer stack {session.stack.path!r} with L={session.stack.num_layers} "
-        f"({time.perf_counter() - t0:.1f}s)",
+        f"{_stacks_text(session.stack)} ({time.perf_counter() - t0:.1f}s)",
         file=sys.stderr,
     )
     return session
@@ -106,31 +108,44 @@ def calibration_note(session: Session) -> None:
               f"{cal.calibrate_s:.1f}s (cached in {cal.path})", file=sys.stderr)
 
 
+def _stacks_text(stack: LayerStack) -> str:
+    """``layer stack 'transformer.h' with L=12`` or, for several, each stack's layers."""
+    if len(stack.stacks) == 1:
+        return f"layer stack {stack.path!r} with L={stack.num_layers}"
+    return f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}"
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every Megatron setting; print the table, write --json."""
     session = load_session(args)
 
     def progress(i: int, n: int, s, r) -> None:  # noqa: ANN001
-        print(
-            f"[{i:2d}/{n}] {s.provenance:14s} predicted {r.predicted_peak_bytes / 2**20:8.2f} MiB"
-            f"  measured {r.measured_peak_bytes / 2**20:8.2f} MiB"
-            f"  grads {'equal' if r.grads_equal else 'DIFFER'}  ({r.measure_time_s:.1f}s)",
-            file=sys.stderr, flush=True,
-        )
+        peaks = (f"predicted {mib(r.predicted_peak_bytes):>8s} MiB  measured {mib(r.measured_peak_bytes):>8s} MiB"
+                 if r.grads_match else "predicted        - MiB  measured        - MiB")
+        print(f"[{i:2d}/{n}] {s.provenance:14s} {peaks}  grads {r.grads_text()}  ({r.measure_time_s:.1f}s)",
+              file=sys.stderr, flush=True)
 
     results = sweep(session, progress=progress)
     calibration_note(session)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
+    noisy = [r for r in results if r.grads_within_run_to_run]
+    if noisy:
+        print(f"note: the un-rewritten step's backward is not bitwise reproducible (its gradients differ by up "
+              f"to {max(r.run_to_run_grad_diff for r in noisy):.2g} between two runs with the same seed, e.g. a "
+              "parallel reduction on several threads); the gradients of "
+              f"{', '.join(r.provenance for r in noisy)} were compared against that difference instead of bit "
+              "for bit (\"within\" in the table). One thread (torch.set_num_threads(1)) may make it reproducible.")
     if args.json:
         write_json(args.json, {
             "model": args.model,
             "layer_stack": session.stack.path,
             "num_layers": session.stack.num_layers,
+            **_stacks_meta(session.stack),
             "static_bytes": sum(int(v.untyped_storage().nbytes()) for v in session.joint.primal_values),
             "rows": [r.to_dict() for r in results],
         })
         print(f"wrote {args.json}", file=sys.stderr)
-    return EXIT_OK if all(r.grads_equal for r in results) else EXIT_FAILED
+    return EXIT_OK if all(r.grads_match for r in results) else EXIT_FAILED
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -159,18 +174,30 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> Non
                    help="allocator model for the predicted bytes (default: %(default)s)")
 
 
-def _schedules(args: argparse.Namespace, num_layers: int) -> list[schedules.Schedule]:
+def _schedules(args: argparse.Namespace, stack: LayerStack) -> list[schedules.Schedule]:
+    per_stack = stack.layers_per_stack
     if getattr(args, "all_schedules", False):
-        return schedules.megatron_schedules(num_layers)
+        return schedules.megatron_schedules(per_stack)
     if args.schedule != "none" and args.recompute_num_layers is None:
         raise ValueError(f"--schedule {args.schedule} needs --recompute-num-layers K (the layer stack has "
-                         f"L={num_layers})")
-    return [schedules.make(args.schedule, args.recompute_num_layers, num_layers)]
+                         f"L={stack.num_layers})" if len(per_stack) == 1 else
+                         f"--schedule {args.schedule} needs --recompute-num-layers K (applied to each of the "
+                         f"layer stacks {stack.describe()})")
+    return [schedules.make(args.schedule, args.recompute_num_layers, per_stack)]
+
+
+def _stacks_meta(stack: LayerStack) -> dict:
+    """``{"layer_stacks": [...]}`` naming each stack and its layers when there are several."""
+    if len(stack.stacks) == 1:
+        return {}
+    return {"layer_stacks": [{"path": s.path, "first_layer": s.first_layer, "num_layers": s.num_layers}
+                             for s in stack.stacks]}
 
 
 def _meta(args: argparse.Namespace, session: Session) -> dict:
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
-            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers}
+            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers,
+            **_stacks_meta(session.stack)}
     return {k: v for k, v in meta.items() if v is not None}
 
 
@@ -192,7 +219,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         desc = load_dump(args.graph)
     else:
         session = load_session(args)
-        (sched,) = _schedules(args, session.stack.num_layers)
+        (sched,) = _schedules(args, session.stack)
         step, report = _predict(args, session, sched)
         desc = describe_step(step, report, _meta(args, session))
         if args.dump:
@@ -205,7 +232,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
     session = load_session(args)
-    todo = _schedules(args, session.stack.num_layers)
+    todo = _schedules(args, session.stack)
     if args.png and len(todo) != 1:
         raise ValueError("--png draws one schedule: drop --all-schedules or --png")
     docs, parts = [], []
@@ -251,12 +278,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     """CI gate: exit 1 when a predicted peak exceeds --budget or regresses past --baseline."""
     if args.budget is None and args.baseline is None:
         raise ValueError("nothing to check: give --budget SIZE and/or --baseline PATH")
+    session = None
     if args.report:
         docs = read_reports(args.report)
     else:
         session = load_session(args)
         docs = []
-        for sched in _schedules(args, session.stack.num_layers):
+        for sched in _schedules(args, session.stack):
             step, report = _predict(args, session, sched)
             docs.append(report_json(report, step))
         calibration_note(session)
@@ -265,6 +293,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}", file=sys.stderr)
     result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression)
     print(result.text())
+    if session is not None and any(f.check == "budget" and not f.ok for f in result.findings):
+        print(_fitting_schedules(args, session, parse_bytes(args.budget), docs))
     if args.markdown:
         verdict = "passed" if result.ok else "FAILED"
         _write(args.markdown, f"### remat-pass check {verdict}\n\n{summary_markdown(docs)}\n\n"
@@ -272,15 +302,49 @@ def cmd_check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _fitting_schedules(args: argparse.Namespace, session: Session, budget_bytes: int, docs: list) -> str:
+    """The Megatron settings whose predicted peak fits the budget, least recompute first
+    (what a failing ``check --budget`` suggests)."""
+    done = {d["schedule"]["provenance"]: d for d in docs}
+    rows = []
+    for sched in schedules.megatron_schedules(session.stack.layers_per_stack):
+        d = done.get(sched.provenance)
+        if d is None:
+            step, report = _predict(args, session, sched)
+            d = report_json(report, step)
+        if d["peak_bytes"] <= budget_bytes:
+            rows.append((d["recompute_flops"], d["peak_bytes"], sched.provenance))
+    if not rows:
+        return (f"no Megatron setting (none, uniform K, block N) fits {fmt_bytes(budget_bytes)}; "
+                "`remat-pass plan --budget` finds the least peak an optimized schedule reaches")
+    rows.sort()
+    return (f"schedules whose predicted peak fits {fmt_bytes(budget_bytes)}, least recompute first: "
+            + ", ".join(f"{name} ({mib(peak)} MiB)" for _, peak, name in rows))
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
     model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
-    print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s)",
-          file=sys.stderr)
+    print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s); "
+          f"{_stacks_text(sm.stack)}", file=sys.stderr, flush=True)
+    _profile_with_progress(sm)
     print(symbolic_model_text(sm))
     return EXIT_OK
+
+
+def _profile_with_progress(sm) -> None:  # noqa: ANN001 - a SymbolicModel
+    """Profile every schedule ``symbolic_model_text`` reads (cached by the model), one
+    line on stderr each, so a long model shows where it is."""
+    per_stack = sm.stack.layers_per_stack
+    todo = list(dict.fromkeys([*schedules.megatron_schedules(per_stack),
+                               schedules.uniform(max(per_stack), per_stack)]))
+    t0 = time.perf_counter()
+    for i, sched in enumerate(todo, 1):
+        sm.profile(sched)
+        print(f"[{i:2d}/{len(todo)}] symbolic liveness of {sched.provenance} ({time.perf_counter() - t0:.1f}s)",
+              file=sys.stderr, flush=True)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -319,7 +383,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, plan_json(plan, result))
         print(f"wrote {args.json}", file=sys.stderr)
-    if not result.grads_equal:
+    if not result.grads_match:
         print(f"remat-pass plan: error: the gradients of {plan.schedule.provenance} differ from the "
               "un-rewritten step", file=sys.stderr)
         return EXIT_FAILED

@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-from .formatting import fmt_bytes, parse_bytes, parse_fraction, signed_bytes
+from .formatting import fmt_bytes, natural_key, parse_bytes, parse_fraction, signed_bytes
 from .report import op_scratch_text, read_reports, reports_document, write_report
 
 EXIT_OK = 0
@@ -92,7 +92,7 @@ def what_is_live(report: dict[str, Any], top: int = 8) -> list[str]:
     """Lines naming the bytes live at the peak by layer and the largest live tensors."""
     by_layer = ", ".join(f"{k}: {fmt_bytes(v)}" for k, v in report["live_at_peak_by_layer"].items())
     out = [f"live at the peak by layer: {by_layer}", "largest tensors live at the peak:"]
-    for t in report["live_at_peak"][:top]:
+    for t in sorted(report["live_at_peak"], key=lambda t: (-t["bytes"], natural_key(t["name"])))[:top]:
         out.append(f"  {t['name']} (layer {_layer_key(t['layer'])}, {t['kind']}): {fmt_bytes(t['bytes'])}")
     more = len(report["live_at_peak"]) - top
     if more > 0:
@@ -198,6 +198,41 @@ def check_regression(
     return Finding(name, "baseline", ok, headline, details)
 
 
+IDENTITY_FIELDS = (
+    (("static_bytes",), "static bytes (parameters, buffers and inputs)"),
+    (("schedule", "num_layers"), "L, the layers of the stack(s)"),
+)
+"""What a report records of its model: a baseline of another model (other parameter
+or input shapes, other layer count) differs in one of them."""
+
+
+def check_same_model(reports: Sequence[dict[str, Any]], base_by_name: dict[str, dict[str, Any]]) -> None:
+    """Refuse a baseline whose reports are of another model than ``reports``.
+
+    Compares, for each schedule present in both, the fields of ``IDENTITY_FIELDS``: the
+    static bytes (every parameter, buffer and input: another width, vocabulary, batch or
+    sequence length changes them) and L.
+
+    Raises:
+        ValueError: a field differs; the message names the schedule, the field and both
+            values.
+    """
+    for r in reports:
+        b = base_by_name.get(r["schedule"]["provenance"])
+        if b is None:
+            continue
+        for path, what in IDENTITY_FIELDS:
+            now, then = r, b
+            for key in path:
+                now, then = now.get(key), then.get(key)
+            if now is not None and then is not None and now != then:
+                raise ValueError(
+                    f"the baseline is of another model: {r['schedule']['provenance']} has {what} = {now:,} "
+                    f"now and {then:,} in the baseline; compare against a baseline of this model (same "
+                    "parameters, inputs and layers), or write a new one with `remat-pass report --json`"
+                )
+
+
 def run_gate(
     reports: Sequence[dict[str, Any]],
     *,
@@ -219,7 +254,8 @@ def run_gate(
         A GateResult; ``exit_code`` 1 when any check failed.
 
     Raises:
-        ValueError: neither a budget nor a baseline was given, or no report.
+        ValueError: neither a budget nor a baseline was given, no report, or the
+            baseline is of another model (``check_same_model``).
     """
     if budget_bytes is None and baseline is None:
         raise ValueError("nothing to check: give a budget (--budget 2GiB) and/or a baseline (--baseline report.json)")
@@ -227,6 +263,8 @@ def run_gate(
         raise ValueError("no report to check")
     findings: list[Finding] = []
     base_by_name = {b["schedule"]["provenance"]: b for b in baseline or ()}
+    if baseline is not None:
+        check_same_model(reports, base_by_name)
     for r in reports:
         name = r["schedule"]["provenance"]
         if budget_bytes is not None:

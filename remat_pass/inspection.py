@@ -40,12 +40,13 @@ from .liveness import (
     memory_intervals,
 )
 from .memory_model import MemoryModel
-from .report import report_json
+from .report import report_json, schema_error, validation_message
 from .rewrite import RewrittenStep
 
 DUMP_FORMAT = "remat-pass-graph"
 DUMP_FORMAT_VERSION = 1
 DUMP_SUFFIX = ".remat.json"
+DUMP_SCHEMA_FILE = Path(__file__).with_name("dump_schema.json")
 
 
 # --------------------------------------------------------------------------- intervals
@@ -302,17 +303,22 @@ def dump_step(step: RewrittenStep, report: MemoryReport, folder: str | Path, nam
 
 
 def load_dump(path: str | Path) -> dict[str, Any]:
-    """Read a file written by ``dump_step``.
+    """Read a file written by ``dump_step``, validated against ``dump_schema.json`` (its
+    ``report`` against ``report_schema.json``).
 
     Raises:
-        ValueError: the file is not JSON, not a remat-pass graph dump, or of a newer
-            format version than this remat-pass reads.
+        ValueError: the file cannot be read, is not UTF-8 JSON, not a remat-pass graph
+            dump, of a newer format version than this remat-pass reads, or a field is
+            missing or of the wrong type (the message names the file, the field and
+            what is expected).
     """
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON ({e}); pass a file written by dump_step / the backend") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON text ({e}); pass a file written by dump_step / the backend") from e
+    except OSError as e:
+        raise ValueError(f"cannot read graph dump {path}: {e.strerror}") from e
     if not isinstance(data, dict) or data.get("format") != DUMP_FORMAT:
         raise ValueError(
             f"{path} is not a remat-pass graph dump (format {data.get('format') if isinstance(data, dict) else None!r},"
@@ -323,6 +329,11 @@ def load_dump(path: str | Path) -> dict[str, Any]:
             f"{path} has format_version {data.get('format_version')}; this remat-pass reads up to "
             f"{DUMP_FORMAT_VERSION}: upgrade remat-pass"
         )
+    error = validation_message(json.loads(DUMP_SCHEMA_FILE.read_text(encoding="utf-8")), data)
+    if error is None:
+        error = schema_error(data["report"], "remat-pass-report", prefix="report")
+    if error is not None:
+        raise ValueError(f"{path}: {error} (schema: remat_pass/dump_schema.json)")
     return data
 
 

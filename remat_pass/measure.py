@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import dataclasses
 import gc
+import operator
 import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .errors import UnsupportedGraph
 from .rewrite import RewrittenStep
 from .trace import JointGraph, _split_inputs, extract_loss
 
@@ -46,6 +48,12 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
 
     Returns:
         The output node's values as a flat list.
+
+    Raises:
+        UnsupportedGraph: an op of the graph fails on the real tensors (e.g. a ``view``
+            of a tensor whose real strides differ from the traced ones, because an op's
+            meta function and its kernel disagree on the output's layout); names the
+            node and the first node whose real strides differed from the traced ones.
     """
     nodes = list(gm.graph.nodes)
     last_user: dict[fx.Node, fx.Node] = {}
@@ -60,14 +68,20 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
     args.clear()
     inputs.reverse()
     result: list[Any] = []
+    first_mismatch: str | None = None
     for n in nodes:
         if n.op == "placeholder":
             env[n] = inputs.pop()
         elif n.op == "call_function":
             a = fx.node.map_arg(n.args, env.__getitem__)
             k = fx.node.map_arg(n.kwargs, env.__getitem__)
-            env[n] = n.target(*a, **k)
+            try:
+                env[n] = n.target(*a, **k)
+            except RuntimeError as e:
+                raise _cannot_run(n, e, first_mismatch) from e
             del a, k
+            if first_mismatch is None:
+                first_mismatch = _stride_mismatch(n, env[n])
         elif n.op == "get_attr":
             obj: Any = gm
             for part in n.target.split("."):
@@ -83,6 +97,30 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
             env.pop(v, None)
     env.clear()
     return result
+
+
+def _stride_mismatch(node: fx.Node, value: Any) -> str | None:
+    """``"name: traced strides (..), real (..)"`` when a tensor's real strides differ
+    from its traced (FakeTensor) ones, else None."""
+    val = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)) or value.dim() < 2:
+        return None
+    traced, real = tuple(val.stride()), tuple(value.stride())
+    if traced == real or tuple(val.shape) != tuple(value.shape):
+        return None
+    op = node.args[0].target if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node.target
+    return f"{node.name} (output of {op}): traced strides {traced}, real {real}"
+
+
+def _cannot_run(node: fx.Node, error: RuntimeError, first_mismatch: str | None) -> UnsupportedGraph:
+    why = (f"; the first value whose real memory layout differs from the traced one is {first_mismatch}, "
+           "i.e. that op's meta function (used for tracing) and its kernel disagree on the output's strides, "
+           "so the traced graph is not valid for the real tensors" if first_mismatch else "")
+    return UnsupportedGraph(
+        f"the traced step cannot run: node {node.name} ({node.target}) fails on the real tensors "
+        f"({type(error).__name__}: {error}){why}. No peak is valid for it: make that op's input "
+        "contiguous in the model (.contiguous() before it), or keep the op outside the traced model"
+    )
 
 
 def run_step(step: RewrittenStep, joint: JointGraph) -> tuple[list[Any], list[Any]]:

@@ -180,8 +180,10 @@ def build(spec: str = "remat_pass.models:gpt2", **kwargs: Any) -> tuple[nn.Modul
     (those that are None are dropped).
 
     Raises:
-        ValueError: the factory rejects an argument the user gave, or returns something
-            other than ``(model, example_inputs, loss_fn)``.
+        ValueError: the factory rejects an argument the user gave, raises, or returns
+            something other than ``(model, example_inputs, loss_fn)`` with inputs a
+            Tensor, a tuple / list or a dict and ``loss_fn`` None or callable (the
+            message names the factory).
     """
     import inspect
 
@@ -192,8 +194,21 @@ def build(spec: str = "remat_pass.models:gpt2", **kwargs: Any) -> tuple[nn.Modul
     unknown = [k for k in given if k not in params and not takes_any]
     if unknown:
         raise ValueError(f"factory {spec} takes no argument {', '.join(unknown)}")
-    result = factory(**given)
+    try:
+        result = factory(**given)
+    except Exception as e:  # noqa: BLE001 - any failure of user code is reported, named
+        raise ValueError(f"factory {spec} raised {type(e).__name__}: {e}") from e
     if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], nn.Module)):
-        raise ValueError(f"factory {spec} must return (model, example_inputs, loss_fn)")
+        got = type(result).__name__ + (f" of {len(result)}" if isinstance(result, tuple) else "")
+        raise ValueError(f"factory {spec} must return (model, example_inputs, loss_fn); it returned a {got}")
+    _, inputs, loss_fn = result
+    if not isinstance(inputs, (torch.Tensor, tuple, list, dict)):
+        raise ValueError(
+            f"factory {spec} returned example inputs of type {type(inputs).__name__}; they must be a "
+            "Tensor, a tuple / list of positional arguments or a dict of keyword arguments"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"factory {spec} returned a loss_fn of type {type(loss_fn).__name__}: "
+                         "it must be None or a callable output -> scalar loss")
     return result
 

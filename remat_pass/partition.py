@@ -208,7 +208,8 @@ def partition(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Parti
         order they run (a group whose values backward never reads has no segment).
 
     Raises:
-        InvalidSchedule: the schedule is for another number of layers than the stack.
+        InvalidSchedule: the schedule is for another number of layers than the stack,
+            or for other stack sizes (build it from ``stack.layers_per_stack``).
 
     Example:
         >>> from remat_pass.models import linear_chain
@@ -224,6 +225,12 @@ def partition(joint: JointGraph, stack: LayerStack, schedule: Schedule) -> Parti
         raise InvalidSchedule(
             f"schedule {schedule.provenance} is for L={schedule.num_layers} layers but the "
             f"layer stack {stack.path!r} has L={stack.num_layers}"
+        )
+    if (schedule.stack_sizes or (schedule.num_layers,)) != stack.layers_per_stack:
+        raise InvalidSchedule(
+            f"schedule {schedule.provenance} is for layer stacks of "
+            f"{', '.join(map(str, schedule.stack_sizes or (schedule.num_layers,)))} layers but the step's "
+            f"stacks are {stack.describe()}: build it from stack.layers_per_stack"
         )
     g = _read_graph(joint, stack)
     members = [{n for n in g.forward_computed if g.layer[n.name] in grp} for grp in schedule.groups]

@@ -93,7 +93,7 @@ class Planner:
         self.costs = self.model.chain_costs()
         self.calibrate_s = time.perf_counter() - t0
         self._reports: dict[Schedule, MemoryReport] = {}
-        self.unconstrained_peak_bytes = self.report(schedules.none(stack.num_layers)).peak_bytes
+        self.unconstrained_peak_bytes = self.report(schedules.none(stack.layers_per_stack)).peak_bytes
         self._least: CheckedPlan | None = None
 
     def report(self, schedule: Schedule) -> MemoryReport:
@@ -106,7 +106,7 @@ class Planner:
         return self.report(self._schedule(groups)).peak_bytes
 
     def _schedule(self, groups: tuple) -> Schedule:
-        return schedules.optimized(groups, self.stack.num_layers)
+        return schedules.optimized(groups, self.stack.layers_per_stack)
 
     def least_feasible(self) -> tuple[Schedule, int]:
         """The schedule of least liveness peak the solver finds, and that peak (bytes)."""
@@ -179,7 +179,7 @@ def max_batch_rows(sm: SymbolicModel, budget_bytes: int, symbol: str = "batch",
     and at the next value (bytes)."""
     fixed = {k: v for k, v in sm.hints.items() if k != symbol}
     rows = []
-    for sch in schedule_list or schedules.megatron_schedules(sm.num_layers):
+    for sch in schedule_list or schedules.megatron_schedules(sm.stack.layers_per_stack):
         best = sm.largest_fitting(sch, budget_bytes, symbol, **fixed)
         rows.append({
             "schedule": sch.provenance,

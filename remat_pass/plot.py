@@ -74,14 +74,25 @@ def plot_timeline(
     n_fw = sum(1 for t in report.timeline if t.phase == "forward")
     ax.axvline(n_fw - 0.5, color="#555555", linestyle="--", linewidth=1)
     top = max(total) if total else 0
-    ax.text(n_fw / 2, top * 1.02, "forward", ha="center", va="bottom", fontsize=9, color="#555555")
-    ax.text(n_fw + (n - n_fw) / 2, top * 1.02, "backward", ha="center", va="bottom", fontsize=9, color="#555555")
+    # phase names just under the top edge, in axes coordinates: clear of the data and
+    # of the peak label, which sits in the headroom above the data
+    on_top = ax.get_xaxis_transform()
+    ax.text(n_fw / 2, 0.985, "forward", ha="center", va="top", fontsize=9, color="#555555", transform=on_top)
+    ax.text(n_fw + (n - n_fw) / 2, 0.985, "backward", ha="center", va="top", fontsize=9, color="#555555",
+            transform=on_top)
     if n:
         px, py = report.peak_step, report.peak_bytes / MIB
         ax.plot([px], [py], marker="v", color="red", markersize=9, zorder=5)
+        # the label leans away from the nearer edge (the legend sits right of the axes)
+        # and from the forward/backward line, on a white box so the line cannot cross it
+        side = "right" if px > 0.6 * n else ("left" if px < 0.4 * n else "center")
+        if side == "center":
+            side = "left" if px >= n_fw else "right"
         ax.annotate(
             f"peak {py:.2f} MiB\n{where(report.peak_phase, report.peak_layer)}, {report.peak_node}",
-            (px, py), xytext=(0, 14), textcoords="offset points", ha="center", fontsize=8, color="red",
+            (px, py), xytext=({"left": 6, "right": -6}[side], 10), textcoords="offset points", ha=side,
+            va="bottom", fontsize=8, color="red", zorder=6,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5},
         )
     if measured_timeline is not None:
         mt = [b / MIB for b in measured_timeline]
@@ -95,7 +106,7 @@ def plot_timeline(
             ax2.set_xlabel("allocator event # (measured; not aligned to graph steps)")
             ax2.legend(loc="upper right", fontsize=8)
     ax.set_xlim(0, max(n - 1, 1))
-    ax.set_ylim(0, top * 1.15 if top else 1)
+    ax.set_ylim(0, top * 1.3 if top else 1)
     ax.set_xlabel(f"step (graph node: {n_fw} forward, then {n - n_fw} backward)")
     ax.set_ylabel("live activation memory (MiB)")
     ax.set_title(title or f"{report.schedule}: predicted peak {report.peak_bytes / MIB:.2f} MiB "

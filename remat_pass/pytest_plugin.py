@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 
@@ -73,7 +73,7 @@ class PeakChecker:
         *,
         schedule: str = "none",
         recompute_num_layers: int | None = None,
-        stack: str | None = None,
+        stack: str | Sequence[str] | None = None,
         allocator: str = "cpu",
         calibrate: bool = True,
         k: int | None = None,
@@ -88,7 +88,8 @@ class PeakChecker:
             schedule: ``none`` | ``uniform`` | ``block`` (Megatron-LM's
                 ``--recompute-method``).
             recompute_num_layers: K (uniform) or N (block).
-            stack: module path of the layer stack when not found automatically.
+            stack: module path of the layer stack (or paths of several) when not found
+                automatically.
             allocator: "cpu" or "cuda" byte model.
             calibrate: calibrate op scratch on this CPU (False: the formula table only).
             k: the old name of ``recompute_num_layers`` (deprecated).
@@ -112,7 +113,7 @@ class PeakChecker:
             model, example_inputs, loss_fn = build(model, **factory_kwargs)
         session = Session.create(model, example_inputs, loss_fn, layers=stack,
                                  calibration=CalibrationOptions() if calibrate else None)
-        sched = schedules.make(schedule, recompute_num_layers, session.stack.num_layers)
+        sched = schedules.make(schedule, recompute_num_layers, session.stack.layers_per_stack)
         step, report, _ = session.prepare(sched, allocator)
         return report_json(report, step)
 

@@ -1,17 +1,22 @@
-"""Find the layer stack of a model and give every joint-graph node its layer index.
+"""Find the layer stacks of a model and give every joint-graph node its layer index.
 
-The layer stack is the repeated block list (GPT-2's ``transformer.h``): by default the
-longest ``nn.ModuleList`` / ``nn.Sequential`` whose children all have one class. A node
-belongs to layer i when the module path recorded on it (``nn_module_stack`` for forward
-nodes, ``fwd_nn_module_stack`` for backward nodes) lies under ``<stack>.<i>``. Everything
-else is *outer* (layer ``None``): embedding, final norm, head, loss.
+A layer stack is a repeated block list (GPT-2's ``transformer.h``): an ``nn.ModuleList``
+/ ``nn.Sequential`` whose children all have one class. A model may have several (T5's
+``encoder.block`` and ``decoder.block``, any encoder-decoder): every such container that
+the step calls and that sits inside no layer of another is a stack. Their layers form
+one chain, numbered 0..L-1 stack after stack in the order the forward first runs them
+(T5: encoder layers 0..5, decoder layers 6..11); ``LayerStack.stacks`` says where each
+stack's layers are. A node belongs to layer i when the module path recorded on it
+(``nn_module_stack`` for forward nodes, ``fwd_nn_module_stack`` for backward nodes) lies
+under that layer's module. Everything else is *outer* (layer ``None``): embeddings,
+final norms, head, loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -21,16 +26,46 @@ from .trace import JointGraph
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerStack:
-    """The layer stack of a traced step.
+class StackSpan:
+    """One layer stack inside the chain of a step's stacks.
 
     Attributes:
-        path: module path of the stack (e.g. ``"transformer.h"``).
-        child_names: the stack's child names in order (``"0"``, ``"1"``, ...).
-        num_layers: L, the number of layers.
+        path: module path of the stack (``"decoder.block"``).
+        child_names: its child names in order (``"0"``, ``"1"``, ...).
+        first_layer: the chain index of its layer 0 (its layer j is chain layer
+            ``first_layer + j``).
+    """
+
+    path: str
+    child_names: tuple[str, ...]
+    first_layer: int
+
+    @property
+    def num_layers(self) -> int:
+        """The number of layers of this stack."""
+        return len(self.child_names)
+
+    @property
+    def layers(self) -> range:
+        """Its chain layer indices."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """The layer stack (or the chain of several stacks) of a traced step.
+
+    Attributes:
+        path: module path of the stack (e.g. ``"transformer.h"``); for several stacks,
+            their paths joined by ``", "`` in chain order.
+        child_names: the stack's child names in order (``"0"``, ``"1"``, ...); for
+            several stacks, each stack's child names, stack after stack.
+        num_layers: L, the number of layers (of all stacks together).
         layer_of: joint node name -> layer index in 0..L-1, or None for outer nodes.
         forward_nodes: names of the joint graph's forward nodes (ancestors of the
             forward outputs, placeholders included), in graph order.
+        stack_spans: the stacks when there are several, in chain order; empty for one
+            (see ``stacks``).
     """
 
     path: str
@@ -38,6 +73,36 @@ class LayerStack:
     num_layers: int
     layer_of: Mapping[str, int | None]
     forward_nodes: tuple[str, ...]
+    stack_spans: tuple[StackSpan, ...] = ()
+
+    @property
+    def stacks(self) -> tuple[StackSpan, ...]:
+        """Every stack of the chain in chain order (one for a single stack)."""
+        return self.stack_spans or (StackSpan(self.path, tuple(self.child_names), 0),)
+
+    @property
+    def layers_per_stack(self) -> tuple[int, ...]:
+        """L of each stack in chain order: what ``schedule.uniform`` / ``block`` /
+        ``megatron_schedules`` take to apply per stack (``(12,)`` for GPT-2)."""
+        return tuple(s.num_layers for s in self.stacks)
+
+    def layer_path(self, layer: int) -> str:
+        """The module path of chain layer ``layer`` (``"decoder.block.1"``).
+
+        Raises:
+            IndexError: ``layer`` is outside 0..L-1.
+        """
+        for s in self.stacks:
+            if layer in s.layers:
+                return _join(s.path, s.child_names[layer - s.first_layer])
+        raise IndexError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+
+    def describe(self) -> str:
+        """E.g. ``'transformer.h' (L=12)`` or ``'encoder.block' (layers 0-5), 'decoder.block' (layers 6-11)``."""
+        if len(self.stacks) == 1:
+            return f"{self.path!r} (L={self.num_layers})"
+        return ", ".join(f"{s.path!r} (layers {s.first_layer}-{s.first_layer + s.num_layers - 1})"
+                         for s in self.stacks)
 
     def nodes_of_layer(self, layer: int) -> list[str]:
         """Names of the forward and backward nodes of ``layer``, in graph order."""
@@ -45,7 +110,8 @@ class LayerStack:
 
 
 def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple[str, list[str]]:
-    """The layer stack's module path and its child names.
+    """The layer stack's module path and its child names (the longest stack when the
+    model has several; ``find_layer_stacks`` finds them all).
 
     Args:
         model: the module.
@@ -62,22 +128,42 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
             such container with two or more same-class children exists, or one module
             instance sits at two positions of a container.
     """
+    if layers is not None:
+        return find_layer_stacks(model, layers)[0]
+    found = find_layer_stacks(model)
+    return max(found, key=lambda c: len(c[1]))  # max keeps the first of equal lengths
+
+
+def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None = None
+                      ) -> list[tuple[str, list[str]]]:
+    """Every layer stack of ``model``: module paths and child names.
+
+    Args:
+        model: the module.
+        layers: the module path of a stack (``"transformer.h"``), several paths
+            (``["encoder.block", "decoder.block"]``), or None to search: every
+            ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one class
+            that sits inside no layer of another such container (MoE experts and
+            attention heads belong to their layer).
+
+    Returns:
+        ``[(path, child_names), ...]`` in ``named_modules`` order (named: in the order
+        given). Which of them the step calls, and in which order, ``assign_layers``
+        decides.
+
+    Raises:
+        LayerStackNotFound: a named path is no ModuleList/Sequential of the model, has
+            no children, is named twice or lies inside a layer of another named stack;
+            (search) no container with two or more same-class children exists; or one
+            module instance sits at two positions of a stack.
+    """
     containers = {
         name: mod
         for name, mod in model.named_modules()
         if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential))
     }
     if layers is not None:
-        if layers not in containers:
-            raise LayerStackNotFound(
-                f"layers={layers!r} is not an nn.ModuleList or nn.Sequential of "
-                f"{type(model).__name__}; those it has: {sorted(containers) or 'none'}"
-            )
-        _refuse_shared_children(layers, containers[layers])
-        children = [n for n, _ in containers[layers].named_children()]
-        if not children:
-            raise LayerStackNotFound(f"the layer stack {layers!r} has no children")
-        return layers, children
+        return _named_stacks(model, containers, [layers] if isinstance(layers, str) else list(layers))
     for name, mod in containers.items():
         _refuse_shared_children(name, mod)
     candidates = {
@@ -85,20 +171,8 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
         for name, mod in containers.items()
         if len(list(mod.children())) >= 2 and len({type(c) for c in mod.children()}) == 1
     }
-    # a container inside one layer of another candidate (the experts of an MoE layer,
-    # the heads of an attention) is part of that layer, not the stack
-    nested = {
-        name for name in candidates
-        for other, kids in candidates.items()
-        if other != name and any(name.startswith(_join(other, k) + ".") for k in kids)
-    }
-    best: tuple[str, list[str]] | None = None
-    for name, kids in candidates.items():
-        if name in nested:
-            continue
-        if best is None or len(kids) > len(best[1]):
-            best = (name, kids)
-    if best is None:
+    found = [(name, kids) for name, kids in candidates.items() if _inside_layer_of(name, candidates) is None]
+    if not found:
         raise LayerStackNotFound(
             f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList or "
             "nn.Sequential of two or more children of one class, and found "
@@ -106,7 +180,46 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
             "Put the repeated blocks in an nn.ModuleList, or name the stack with "
             "layers='path.to.stack' (--stack on the command line)."
         )
-    return best
+    return found
+
+
+def _inside_layer_of(name: str, stacks: Mapping[str, Sequence[str]]) -> str | None:
+    """The stack of ``stacks`` one of whose layers is or holds the module ``name``, or
+    None (a container inside one layer of another: the experts of an MoE layer)."""
+    for other, kids in stacks.items():
+        if other != name and any(name == _join(other, k) or name.startswith(_join(other, k) + ".")
+                                 for k in kids):
+            return other
+    return None
+
+
+def _named_stacks(model: torch.nn.Module, containers: Mapping[str, torch.nn.Module],
+                  paths: list[str]) -> list[tuple[str, list[str]]]:
+    """The stacks the user named (``layers=`` / ``--stack``), validated."""
+    if not paths:
+        raise LayerStackNotFound("layers= names no stack: give a module path such as 'transformer.h'")
+    out: dict[str, list[str]] = {}
+    for path in paths:
+        if not isinstance(path, str) or path not in containers:
+            raise LayerStackNotFound(
+                f"layers={path!r} is not an nn.ModuleList or nn.Sequential of "
+                f"{type(model).__name__}; those it has: {sorted(containers) or 'none'}"
+            )
+        if path in out:
+            raise LayerStackNotFound(f"layers= names the stack {path!r} twice")
+        _refuse_shared_children(path, containers[path])
+        children = [n for n, _ in containers[path].named_children()]
+        if not children:
+            raise LayerStackNotFound(f"the layer stack {path!r} has no children")
+        out[path] = children
+    for path in out:
+        outer = _inside_layer_of(path, out)
+        if outer is not None:
+            raise LayerStackNotFound(
+                f"the layer stack {path!r} lies inside a layer of the stack {outer!r}: a layer "
+                "cannot belong to two stacks; name one of them"
+            )
+    return list(out.items())
 
 
 def _join(prefix: str, name: str) -> str:
@@ -209,18 +322,6 @@ def _recorded_paths(stack: Mapping | None) -> list[tuple[str, object]]:
     return out
 
 
-def _layer_from_stack(stack: Mapping | None, prefix: str, index: dict[str, int]) -> int | None:
-    if not stack:
-        return None
-    layer = None
-    for path, _ in _recorded_paths(stack):
-        if path.startswith(prefix):
-            child = path[len(prefix) :].split(".", 1)[0]
-            if child in index:
-                layer = index[child]
-    return layer
-
-
 def find_layer_stack_in_graph(gm: fx.GraphModule, layers: str | None = None) -> tuple[str, list[str]]:
     """The layer stack of a graph whose nodes record module paths, without the module.
 
@@ -288,8 +389,8 @@ def find_layer_stack_in_graph(gm: fx.GraphModule, layers: str | None = None) -> 
     return best[0], _names(best[1])
 
 
-def assign_layers(joint: JointGraph, layers: str | None = None) -> LayerStack:
-    """Find the layer stack of ``joint.model`` and the layer of every joint node.
+def assign_layers(joint: JointGraph, layers: str | Sequence[str] | None = None) -> LayerStack:
+    """Find the layer stacks of ``joint.model`` and the layer of every joint node.
 
     Forward nodes take the layer of their ``nn_module_stack``; backward nodes that of
     ``fwd_nn_module_stack``. Backward nodes with no recorded stack (gradient
@@ -298,17 +399,20 @@ def assign_layers(joint: JointGraph, layers: str | None = None) -> LayerStack:
 
     Args:
         joint: the traced step.
-        layers: the stack's module path, or None to find it (see find_layer_stack).
+        layers: the stack's module path, several paths, or None to find them (see
+            find_layer_stacks); found stacks that the step never calls are left out.
 
     Returns:
         The LayerStack; ``node.meta["remat_layer"]`` is also set on every joint node.
 
     Raises:
-        LayerStackNotFound: as find_layer_stack, or no node of the graph lies in the
-            stack (the stack's modules are not called by ``forward``).
+        LayerStackNotFound: as find_layer_stacks, or no node of the graph lies in a
+            named stack, or in any found one (the modules are not called by ``forward``).
     """
-    path, children = find_layer_stack(joint.model, layers)
-    return assign_layers_to_graph(joint.gm, joint.num_fwd_outputs, path, children)
+    stacks = find_layer_stacks(joint.model, layers)
+    if layers is None and len(stacks) > 1:
+        return assign_layers_to_stacks(joint.gm, joint.num_fwd_outputs, stacks, drop_uncalled=True)
+    return assign_layers_to_stacks(joint.gm, joint.num_fwd_outputs, stacks)
 
 
 def assign_layers_to_graph(
@@ -332,32 +436,90 @@ def assign_layers_to_graph(
     Raises:
         LayerStackNotFound: no node of the graph lies in the stack.
     """
-    index = {c: i for i, c in enumerate(children)}
-    prefix = path + "." if path else ""
+    return assign_layers_to_stacks(gm, num_fwd_outputs, [(path, children)])
+
+
+def assign_layers_to_stacks(
+    gm: fx.GraphModule, num_fwd_outputs: int, stacks: Sequence[tuple[str, Sequence[str]]],
+    drop_uncalled: bool = False,
+) -> LayerStack:
+    """The layer of every node of a joint graph, given one or several stacks.
+
+    The stacks' layers form one chain: stacks are ordered by the first forward node
+    that lies in them (graph order), and stack s's layer j is chain layer
+    ``first_layer(s) + j``.
+
+    Args:
+        gm, num_fwd_outputs: as ``assign_layers_to_graph``.
+        stacks: ``(path, child_names)`` of each stack (no stack inside a layer of another).
+        drop_uncalled: leave out the stacks no node lies in (found stacks) instead of
+            refusing them (named stacks).
+
+    Returns:
+        The LayerStack (``stack_spans`` set when more than one stack remains);
+        ``node.meta["remat_layer"]`` is also set on every node.
+
+    Raises:
+        LayerStackNotFound: no node lies in a stack (and ``drop_uncalled`` is False), or
+            in any stack.
+    """
+    prefixes = [(p + "." if p else "", {c: i for i, c in enumerate(kids)}) for p, kids in stacks]
     fwd = forward_node_names(gm, num_fwd_outputs)
     fwd_set = set(fwd)
-    layer_of: dict[str, int | None] = {}
-    last_bw_layer: int | None = None
-    for n in gm.graph.nodes:
+    local: dict[str, tuple[int, int] | None] = {}
+    last_bw: tuple[int, int] | None = None
+    first_seen: dict[int, int] = {}
+    for pos, n in enumerate(gm.graph.nodes):
         if n.op in ("placeholder", "output"):
-            layer = None
+            where = None
         elif n.name in fwd_set:
-            layer = _layer_from_stack(n.meta.get("nn_module_stack"), prefix, index)
+            where = _stack_layer(n.meta.get("nn_module_stack"), prefixes)
+            if where is not None:
+                first_seen.setdefault(where[0], pos)
         else:
-            stack = n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack")
-            layer = _layer_from_stack(stack, prefix, index) if stack else last_bw_layer
-            last_bw_layer = layer
-        layer_of[n.name] = layer
-        n.meta["remat_layer"] = layer
-    if not any(v is not None for v in layer_of.values()):
+            recorded = n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack")
+            where = _stack_layer(recorded, prefixes) if recorded else last_bw
+            last_bw = where
+        local[n.name] = where
+    used = {w[0] for w in local.values() if w is not None}
+    empty = [stacks[i][0] for i in range(len(stacks)) if i not in used]
+    if not used or (empty and not drop_uncalled):
+        path = empty[0] if empty else stacks[0][0]
         raise LayerStackNotFound(
             f"no node of the traced step lies in the layer stack {path!r}: its modules "
             "are not called by the model's forward; name the stack that is, with layers="
         )
+    order = sorted(used, key=lambda i: first_seen.get(i, len(local)))
+    spans, first = [], 0
+    for i in order:
+        spans.append(StackSpan(stacks[i][0], tuple(stacks[i][1]), first))
+        first += len(stacks[i][1])
+    offset = {i: span.first_layer for i, span in zip(order, spans)}
+    layer_of: dict[str, int | None] = {}
+    for n in gm.graph.nodes:
+        where = local[n.name]
+        layer = None if where is None else offset[where[0]] + where[1]
+        layer_of[n.name] = layer
+        n.meta["remat_layer"] = layer
     return LayerStack(
-        path=path,
-        child_names=tuple(children),
-        num_layers=len(children),
+        path=", ".join(s.path for s in spans),
+        child_names=tuple(c for s in spans for c in s.child_names),
+        num_layers=first,
         layer_of=layer_of,
         forward_nodes=tuple(fwd),
+        stack_spans=tuple(spans) if len(spans) > 1 else (),
     )
+
+
+def _stack_layer(recorded: Mapping | None, prefixes: Sequence[tuple[str, Mapping[str, int]]]
+                 ) -> tuple[int, int] | None:
+    """``(stack index, layer index in it)`` of the innermost recorded module path that
+    lies in a layer of one of the stacks, or None."""
+    found = None
+    for path, _ in _recorded_paths(recorded):
+        for si, (prefix, index) in enumerate(prefixes):
+            if path.startswith(prefix):
+                child = path[len(prefix):].split(".", 1)[0]
+                if child in index:
+                    found = (si, index[child])
+    return found

@@ -22,7 +22,7 @@ import sympy
 from solvers import closed_forms
 
 from . import schedule as schedules
-from .formatting import fmt_bytes, markdown_table, mib
+from .formatting import fmt_bytes, markdown_table, mib, natural_key
 from .liveness import MemoryReport
 from .planner import Plan
 from .rewrite import RewrittenStep
@@ -50,14 +50,14 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
     return [
         [
             r.provenance,
-            mib(r.predicted_peak_bytes) if r.grads_equal else "-",
-            mib(r.measured_peak_bytes) if r.grads_equal else "-",
-            f"{100 * r.error_fraction:+.2f}" if r.grads_equal else "-",
+            mib(r.predicted_peak_bytes) if r.grads_match else "-",
+            mib(r.measured_peak_bytes) if r.grads_match else "-",
+            f"{100 * r.error_fraction:+.2f}" if r.grads_match else "-",
             _saving(r),
             mib(r.saved_activation_bytes),
             f"{100 * r.recompute_fraction:.1f}",
             where(r.peak_phase, r.peak_layer),
-            "yes" if r.grads_equal else "NO",
+            "yes" if r.grads_equal else ("within" if r.grads_within_run_to_run else "NO"),
             f"{r.pass_time_s:.3f}",
         ]
         for r in results
@@ -65,7 +65,7 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
 
 
 def _saving(r: ScheduleResult) -> str:
-    if not r.grads_equal or r.peak_saving_vs_none_bytes is None:
+    if not r.grads_match or r.peak_saving_vs_none_bytes is None:
         return "-"
     if r.schedule != "none" and r.peak_saving_vs_none_bytes <= 0:
         return "saves nothing" if r.peak_saving_vs_none_bytes == 0 else f"+{mib(-r.peak_saving_vs_none_bytes)}"
@@ -266,13 +266,29 @@ def read_reports(path: str | Path) -> list[dict[str, Any]]:
             f"{path} has schema_version {doc.get('schema_version')!r}; this remat-pass reads 1 and "
             f"{SCHEMA_VERSION}: regenerate it with `remat-pass report --json`")
     doc = _upgrade(doc)
-    full = schema()  # validate against the branch of the kind the file claims
-    branch = {"$defs": full["$defs"], "$ref": "#/$defs/" + ("report" if kind == "remat-pass-report" else "reports")}
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(branch).iter_errors(doc))
+    error = schema_error(doc, kind)
     if error is not None:
-        field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise ValueError(f"{path}: field {field}: {error.message} (schema: remat_pass/report_schema.json)")
+        raise ValueError(f"{path}: {error} (schema: remat_pass/report_schema.json)")
     return list(doc["reports"]) if kind == "remat-pass-reports" else [doc]
+
+
+def schema_error(doc: Any, kind: str, prefix: str = "") -> str | None:
+    """Why ``doc`` is not a valid document of ``kind`` (``remat-pass-report`` or
+    ``remat-pass-reports``, validated against that branch of ``report_schema.json``):
+    ``"field peak_bytes: -1 is less than the minimum of 0"``, or None when valid.
+    ``prefix`` is put before the field path (a report inside another document)."""
+    full = schema()
+    branch = {"$defs": full["$defs"], "$ref": "#/$defs/" + ("report" if kind == "remat-pass-report" else "reports")}
+    return validation_message(branch, doc, prefix)
+
+
+def validation_message(schema_doc: dict[str, Any], doc: Any, prefix: str = "") -> str | None:
+    """The most relevant jsonschema error of ``doc`` as ``field a/0/b: message``, or None."""
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema_doc).iter_errors(doc))
+    if error is None:
+        return None
+    field = "/".join([prefix, *map(str, error.absolute_path)] if prefix else map(str, error.absolute_path))
+    return f"field {field or '(top level)'}: {error.message}"
 
 
 # --------------------------------------------------------------------------- Markdown
@@ -296,6 +312,11 @@ def report_markdown(report: MemoryReport, step: RewrittenStep | None = None, top
     """
     d = report_json(report, step)
     return markdown_from_json(d, top)
+
+
+def _largest_first(t: dict[str, Any]) -> tuple:
+    """Tensors by size, then name in natural order (``_softmax_2`` before ``_softmax_10``)."""
+    return (-t["bytes"], natural_key(t["name"]))
 
 
 def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
@@ -329,7 +350,8 @@ def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
         f"#### Largest tensors live at the peak ({min(top, len(d['live_at_peak']))} of {len(d['live_at_peak'])})",
         "",
         markdown_table(("tensor", "layer", "kind", "MiB"), [
-            [f"`{t['name']}`", _layer_key(t["layer"]), t["kind"], mib(t["bytes"])] for t in d["live_at_peak"][:top]
+            [f"`{t['name']}`", _layer_key(t["layer"]), t["kind"], mib(t["bytes"])]
+            for t in sorted(d["live_at_peak"], key=_largest_first)[:top]
         ]),
         "",
     ]
@@ -342,7 +364,7 @@ def markdown_from_json(d: dict[str, Any], top: int = 10) -> str:
                                            ("unmodelled_ops", "unknown (0 assumed)")) if scratch.get(key)),
             "",
         ]
-    saved = sorted(d["saved"], key=lambda t: (-t["bytes"], t["name"]))
+    saved = sorted(d["saved"], key=_largest_first)
     lines += [
         f"#### Top saved activations ({min(top, len(saved))} of {len(saved)})",
         "",
@@ -383,9 +405,10 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
     shapes, how close they are to the exact liveness peak of every Megatron setting."""
     L = sm.num_layers
     agg = sm.aggregates()
-    cf = sm.closed_forms()
-    lines = [f"layer stack {sm.stack.path!r}, L = {L}; symbols {', '.join(sm.gens)} "
-             f"(traced at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}); bytes, fp as traced", ""]
+    traced_at = ", ".join(f"{k}={v}" for k, v in sm.hints.items())
+    several = len(sm.stack.stacks) > 1
+    where = f"layer stacks {sm.stack.describe()}, L = {L} in all" if several else f"layer stack {sm.stack.path!r}, L = {L}"
+    lines = [f"{where}; symbols {', '.join(sm.gens)} (traced at {traced_at}); bytes, fp as traced", ""]
     lines.append("per-layer aggregates (read off the graph):")
     for name, label in (("checkpoint_bytes", "s  (saved as a group of one)"),
                         ("stored_layer_bytes", "a  (saved when stored)"),
@@ -397,6 +420,9 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
             lines += [f"  {label:32s} layer {i} = {v}" for i, v in enumerate(vals)]
     lines.append(f"  {'outer saved bytes':32s} = {agg['outer_saved_bytes']}")
     lines.append("")
+    if several:
+        return "\n".join(lines + _several_stacks_text(sm))
+    cf = sm.closed_forms()
     lines.append(f"chain-model terms (middle layer): s = {cf.checkpoint_bytes}, a = {cf.stored_layer_bytes}, "
                  f"g = {cf.param_grad_bytes} (parameter-gradient bytes)")
     for (sym, ex), what in zip(cf.region_peaks.items(), ("top layer's backward, rebuilt",
@@ -428,6 +454,22 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
     return "\n".join(lines)
 
 
+def _several_stacks_text(sm: SymbolicModel) -> list[str]:
+    """For a chain of several stacks: the exact peak of every Megatron setting (applied
+    per stack) at the traced shapes; the closed forms in K / N describe one stack of
+    identical layers and are not printed."""
+    per_stack = sm.stack.layers_per_stack
+    none_terms = len(sm.profile(schedules.none(per_stack)).peak())
+    lines = [f"closed forms in K / N describe one stack; this step chains {len(per_stack)} stacks, "
+             "so the exact liveness peaks follow (uniform / block applied to each stack; "
+             f"SymbolicModel.peak(schedule) gives each as a Max of polynomials: {none_terms} for none)."]
+    if sm.hints:
+        lines.append(f"at {', '.join(f'{k}={v}' for k, v in sm.hints.items())}:")
+        for sch in schedules.megatron_schedules(per_stack):
+            lines.append(f"  {sch.provenance:14s} {fmt_bytes(sm.peak_at(sch, **sm.hints))}")
+    return lines
+
+
 def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: float) -> str:
     """What ``remat-pass plan --budget`` prints: the schedule, its predicted and measured
     peak against the budget, recompute, gradients, and the solver's figures."""
@@ -443,7 +485,7 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
          if measured is not None else "measured peak      - (not reported: the gradients differ)"),
         f"recompute          {p.recompute_flops} FLOPs = {100 * p.recompute_fraction:.1f} % of forward",
-        f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
+        f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the un-rewritten step",
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)}, none)",
         f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
         f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; calibration "
@@ -485,6 +527,7 @@ def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
         "forward_flops": p.forward_flops,
         "recompute_fraction": p.recompute_fraction,
         "grads_equal": result.grads_equal,
+        "grads_within_run_to_run": result.grads_within_run_to_run,
         "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
         "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
         "solve_time_s": p.solve_time_s,

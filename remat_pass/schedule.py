@@ -13,12 +13,20 @@ Semantics follow Megatron-LM's ``--recompute-granularity full``:
   layers stored whole (chosen by a solver in ``solvers/``).
 
 Outer nodes (embedding, final norm, head, loss) follow ``none``.
+
+Several stacks (T5's encoder and decoder): their layers form one chain 0..L-1, stack
+after stack, and a schedule built from the layers of each stack (``num_layers=(6, 6)``)
+applies per stack, as Megatron-LM applies ``--recompute-num-layers`` to each transformer
+block: uniform(K) splits each stack into groups of K (the last of each stack may be
+shorter), block(N) checkpoints the first N layers of each stack. No group spans two
+stacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 from .errors import InvalidSchedule
 
@@ -36,16 +44,26 @@ class Schedule:
             ``--recompute-num-layers``), None otherwise.
         groups: the recomputed groups, each a tuple of consecutive layer indices, in
             layer order; layers in no group are stored (nothing recomputed).
+        stack_sizes: L of each stack when the chain is several stacks, in chain order
+            (they add up to ``num_layers``); empty for one stack.
     """
 
     method: str
     num_layers: int
     recompute_num_layers: int | None = None
     groups: tuple[tuple[int, ...], ...] = ()
+    stack_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidSchedule(f"schedule method {self.method!r} is not one of {METHODS}")
+        if self.stack_sizes and (len(self.stack_sizes) < 2 or sum(self.stack_sizes) != self.num_layers
+                                 or min(self.stack_sizes) < 1):
+            raise InvalidSchedule(
+                f"stack sizes {self.stack_sizes} are not two or more stacks of L >= 1 adding up to "
+                f"L={self.num_layers}"
+            )
+        starts = set(self.stack_starts)
         seen: set[int] = set()
         for g in self.groups:
             if not g or list(g) != list(range(g[0], g[0] + len(g))):
@@ -56,7 +74,17 @@ class Schedule:
                 )
             if seen & set(g):
                 raise InvalidSchedule(f"group {g} overlaps another group")
+            if any(i in starts for i in g[1:]):
+                raise InvalidSchedule(
+                    f"group {g} spans two layer stacks (stacks of {', '.join(map(str, self.stack_sizes))} "
+                    "layers): a group lies inside one stack"
+                )
             seen |= set(g)
+
+    @property
+    def stack_starts(self) -> tuple[int, ...]:
+        """The first layer of each stack after the first (empty for one stack)."""
+        return tuple(sum(self.stack_sizes[:i]) for i in range(1, len(self.stack_sizes)))
 
     @property
     def provenance(self) -> str:
@@ -94,58 +122,98 @@ def describe_groups(groups: tuple[tuple[int, ...], ...], num_layers: int) -> str
     return text + (", store " + " ".join(stored) if stored else "")
 
 
-def none(num_layers: int) -> Schedule:
+Layers = int | Sequence[int]
+"""L of one stack, or L of each stack in chain order (``LayerStack.layers_per_stack``)."""
+
+
+def _chain(num_layers: Layers) -> tuple[int, tuple[int, ...]]:
+    """``(L, stack_sizes)``: one stack given as an int or a 1-tuple has no sizes."""
+    if isinstance(num_layers, int):
+        return num_layers, ()
+    sizes = tuple(int(n) for n in num_layers)
+    return (sizes[0], ()) if len(sizes) == 1 else (sum(sizes), sizes)
+
+
+def _per_stack(sizes: tuple[int, ...], num_layers: int) -> list[tuple[int, int]]:
+    """``(first layer, L)`` of each stack."""
+    out, first = [], 0
+    for n in sizes or (num_layers,):
+        out.append((first, n))
+        first += n
+    return out
+
+
+def _range_text(what: str, value: object, low: int, num_layers: int, sizes: tuple[int, ...]) -> str:
+    if not sizes:
+        return f"{what}={value!r} is outside {low}..L: the layer stack has L={num_layers} layers"
+    return (f"{what}={value!r} is outside {low}..L: it applies to each layer stack, and the longest "
+            f"has L={max(sizes)} layers (stacks of {', '.join(map(str, sizes))})")
+
+
+def none(num_layers: Layers) -> Schedule:
     """The baseline: nothing recomputed."""
-    return Schedule("none", num_layers)
+    L, sizes = _chain(num_layers)
+    return Schedule("none", L, stack_sizes=sizes)
 
 
-def uniform(k: int, num_layers: int) -> Schedule:
-    """Megatron ``--recompute-method uniform --recompute-num-layers K``.
+def uniform(k: int, num_layers: Layers) -> Schedule:
+    """Megatron ``--recompute-method uniform --recompute-num-layers K``, in each stack.
+
+    Args:
+        k: K, 1..L (1..the longest stack's L for several stacks).
+        num_layers: L, or L of each stack.
 
     Raises:
         InvalidSchedule: K is not an integer in 1..L.
     """
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_layers:
-        raise InvalidSchedule(
-            f"uniform K={k!r} is outside 1..L: the layer stack has L={num_layers} layers"
-        )
+    L, sizes = _chain(num_layers)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= max(sizes or (L,)):
+        raise InvalidSchedule(_range_text("uniform K", k, 1, L, sizes))
     groups = tuple(
-        tuple(range(s, min(s + k, num_layers))) for s in range(0, num_layers, k)
+        tuple(range(first + s, first + min(s + k, n)))
+        for first, n in _per_stack(sizes, L) for s in range(0, n, k)
     )
-    assert len(groups) == math.ceil(num_layers / k)
-    return Schedule("uniform", num_layers, k, groups)
+    assert len(groups) == sum(math.ceil(n / k) for _, n in _per_stack(sizes, L))
+    return Schedule("uniform", L, k, groups, sizes)
 
 
-def block(n: int, num_layers: int) -> Schedule:
-    """Megatron ``--recompute-method block --recompute-num-layers N``.
+def block(n: int, num_layers: Layers) -> Schedule:
+    """Megatron ``--recompute-method block --recompute-num-layers N``, in each stack.
+
+    Args:
+        n: N, 0..L (0..the longest stack's L for several stacks; a shorter stack then
+            checkpoints all its layers).
+        num_layers: L, or L of each stack.
 
     Raises:
         InvalidSchedule: N is not an integer in 0..L.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= num_layers:
-        raise InvalidSchedule(
-            f"block N={n!r} is outside 0..L: the layer stack has L={num_layers} layers"
-        )
-    return Schedule("block", num_layers, n, tuple((i,) for i in range(n)))
+    L, sizes = _chain(num_layers)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= max(sizes or (L,)):
+        raise InvalidSchedule(_range_text("block N", n, 0, L, sizes))
+    groups = tuple((first + i,) for first, size in _per_stack(sizes, L) for i in range(min(n, size)))
+    return Schedule("block", L, n, groups, sizes)
 
 
-def optimized(groups: tuple[tuple[int, ...], ...], num_layers: int) -> Schedule:
+def optimized(groups: tuple[tuple[int, ...], ...], num_layers: Layers) -> Schedule:
     """A solver's schedule: recomputed ``groups``, every other layer stored.
 
     Raises:
-        InvalidSchedule: a group is not consecutive, overlaps another or leaves 0..L-1.
+        InvalidSchedule: a group is not consecutive, overlaps another, leaves 0..L-1 or
+            spans two stacks.
     """
-    return Schedule("optimized", num_layers, None, tuple(tuple(g) for g in groups))
+    L, sizes = _chain(num_layers)
+    return Schedule("optimized", L, None, tuple(tuple(g) for g in groups), sizes)
 
 
-def make(method: str, recompute_num_layers: int | None, num_layers: int) -> Schedule:
+def make(method: str, recompute_num_layers: int | None, num_layers: Layers) -> Schedule:
     """Build ``none`` / ``uniform`` / ``block`` from a method name and K or N.
 
     Args:
         method: ``none``, ``uniform`` or ``block`` (Megatron-LM's ``--recompute-method``).
         recompute_num_layers: K (uniform) or N (block), Megatron-LM's
             ``--recompute-num-layers``; ignored for none.
-        num_layers: L, the layers of the stack.
+        num_layers: L, the layers of the stack (or L of each stack).
 
     Raises:
         InvalidSchedule: unknown method, or K / N out of range (message names L).
@@ -159,12 +227,14 @@ def make(method: str, recompute_num_layers: int | None, num_layers: int) -> Sche
     raise InvalidSchedule(f"schedule {method!r} is not one of none, uniform, block")
 
 
-def megatron_schedules(num_layers: int) -> list[Schedule]:
-    """``none``, uniform K = 1..L, block N = 0..L: every Megatron-LM full-recompute setting."""
+def megatron_schedules(num_layers: Layers) -> list[Schedule]:
+    """``none``, uniform K = 1..L, block N = 0..L: every Megatron-LM full-recompute
+    setting (L: the longest stack's, for several stacks)."""
+    longest = max(_chain(num_layers)[1] or (_chain(num_layers)[0],))
     return (
         [none(num_layers)]
-        + [uniform(k, num_layers) for k in range(1, num_layers + 1)]
-        + [block(n, num_layers) for n in range(0, num_layers + 1)]
+        + [uniform(k, num_layers) for k in range(1, longest + 1)]
+        + [block(n, num_layers) for n in range(0, longest + 1)]
     )
 
 

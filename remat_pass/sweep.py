@@ -4,13 +4,21 @@ One ``ScheduleResult`` per schedule holds the predicted peak (liveness), the mea
 peak (running the rewritten step), and the gradient checks: bitwise equality with the
 un-rewritten joint graph run by the same executor, and the largest difference from
 plain eager autograd.
+
+Kernels whose backward is not bitwise reproducible run to run (a parallel reduction
+whose order depends on thread timing: transformers' Mixtral experts on 2 threads): when
+a schedule's gradients are not bitwise equal to the reference, the un-rewritten step is
+run again with the same seed. If it does not reproduce itself either, it is run
+``REFERENCE_RUNS`` times, and each gradient is compared with the largest difference
+observed between those runs of the un-rewritten step (per gradient, so a gradient that is reproducible must still be
+equal), and the result says so (``grads_within_run_to_run``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -26,12 +34,16 @@ from .measure import (
     measure_step,
     run_joint,
 )
-from .regions import LayerStack, assign_layers, find_layer_stack
+from .regions import LayerStack, assign_layers, find_layer_stacks
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule, megatron_schedules, recompute_fraction
 from .trace import JointGraph, trace_joint
 
 __all__ = ["ScheduleResult", "Session", "megatron_schedules", "sweep"]
+
+REFERENCE_RUNS = 8
+"""Runs of the un-rewritten step that measure its run-to-run difference when it is not
+bitwise reproducible (twice that when a schedule's gradients fall outside it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,14 @@ class ScheduleResult:
             gradients (float rounding of the traced ops; not a correctness check).
         pass_time_s: seconds for rewrite + liveness.
         measure_time_s: seconds to run and measure the step (warm-up included).
+        max_grad_diff_vs_reference: largest |difference| from the un-rewritten step's
+            gradients (0.0 when bitwise equal).
+        run_to_run_grad_diff: largest |difference| between runs of the un-rewritten
+            step itself with the same seed (0.0: bitwise reproducible, or not rerun
+            because the gradients were bitwise equal).
+        grads_within_run_to_run: not bitwise equal, but the un-rewritten step is not
+            reproducible either and every gradient is within the difference observed
+            between its own runs.
     """
 
     schedule: str
@@ -76,6 +96,23 @@ class ScheduleResult:
     max_grad_diff_vs_eager: float
     pass_time_s: float
     measure_time_s: float
+    max_grad_diff_vs_reference: float = 0.0
+    run_to_run_grad_diff: float = 0.0
+    grads_within_run_to_run: bool = False
+
+    @property
+    def grads_match(self) -> bool:
+        """Bitwise equal, or within the un-rewritten step's own run-to-run difference."""
+        return self.grads_equal or self.grads_within_run_to_run
+
+    def grads_text(self) -> str:
+        """``equal``, ``within run-to-run (1.2e-09 <= 3.5e-10 ...)`` or ``DIFFER (...)``."""
+        if self.grads_equal:
+            return "equal"
+        if self.grads_within_run_to_run:
+            return (f"within run-to-run: differ by {self.max_grad_diff_vs_reference:.2g}, the un-rewritten step "
+                    f"by {self.run_to_run_grad_diff:.2g} between its own runs (backward not bitwise reproducible)")
+        return f"DIFFER by {self.max_grad_diff_vs_reference:.2g}"
 
     @property
     def recompute_fraction(self) -> float:
@@ -114,6 +151,9 @@ class Session:
     _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
+    _envelope: list[Any] | None = dataclasses.field(default=None, repr=False)
+    _reference_runs: int = dataclasses.field(default=0, repr=False)
+    _reproducible: bool = dataclasses.field(default=False, repr=False)
 
     @classmethod
     def create(
@@ -121,11 +161,12 @@ class Session:
         model: torch.nn.Module,
         example_inputs: Any,
         loss_fn: Any = None,
-        layers: str | None = None,
+        layers: str | Sequence[str] | None = None,
         seed: int = 0,
         calibration: CalibrationOptions | None = CalibrationOptions(),
     ) -> "Session":
-        """Trace the step and find the layer stack.
+        """Trace the step and find the layer stacks (``layers``: a module path, several,
+        or None to find every stack; see ``regions.find_layer_stacks``).
 
         Args:
             calibration: how op scratch is calibrated on this machine (the default
@@ -136,7 +177,7 @@ class Session:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
                 assign_layers.
         """
-        find_layer_stack(model, layers)  # fail before tracing when there is none
+        find_layer_stacks(model, layers)  # fail before tracing when there is none
         joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
         calibrator = Calibrator(calibration) if calibration is not None else None
@@ -153,6 +194,42 @@ class Session:
     @reference_grads.setter
     def reference_grads(self, grads: list[Any]) -> None:
         self._reference_grads = grads
+
+    def run_to_run_grad_diffs(self, runs: int = REFERENCE_RUNS) -> list[float]:
+        """Per gradient of the un-rewritten step, the largest |difference| between its
+        runs with the same seed (all 0.0: bitwise reproducible).
+
+        It is run a second time; when the two differ, until ``runs`` runs in all (the
+        differences take a few discrete values, from the order of a parallel reduction,
+        so a handful of runs sees the range). Each gradient's elementwise minimum and
+        maximum over the runs are kept, so the largest difference of any two runs is
+        ``max(hi - lo)``. Computed once; a larger ``runs`` adds runs.
+        """
+        if self._envelope is None:
+            # the envelope is of fresh runs, not of ``reference_grads`` (which a caller
+            # may have set): a reference no run reproduces widens nothing
+            torch.manual_seed(self.seed)
+            first = run_joint(self.joint)[1]
+            self._envelope = [None if g is None else (g.clone(), g.clone()) for g in first]
+            self._reference_runs = 1
+            self._reproducible = grads_bitwise_equal(first, self._reference_run())
+        if not self._reproducible:
+            while self._reference_runs < runs:
+                self._reference_run()
+        return [0.0 if e is None else float((e[1].double() - e[0].double()).abs().max()) if e[0].numel() else 0.0
+                for e in self._envelope]
+
+    def _reference_run(self) -> list[Any]:
+        """One more run of the un-rewritten step, folded into the envelope."""
+        torch.manual_seed(self.seed)
+        grads = run_joint(self.joint)[1]
+        assert self._envelope is not None
+        for e, g in zip(self._envelope, grads):
+            if e is not None and g is not None:
+                torch.minimum(e[0], g, out=e[0])
+                torch.maximum(e[1], g, out=e[1])
+        self._reference_runs += 1
+        return grads
 
     @property
     def eager_param_grads(self) -> list[Any]:
@@ -200,7 +277,8 @@ class Session:
 
         Raises:
             GradientMismatch: (strict) the rewritten step's gradients are not bitwise
-                equal to the un-rewritten joint graph's; no peak is reported for it.
+                equal to the un-rewritten joint graph's, nor within its run-to-run
+                difference; no peak is reported for it.
         """
         step, report, pass_s = self.prepare(schedule)
         t0 = time.perf_counter()
@@ -208,17 +286,21 @@ class Session:
         measure_s = time.perf_counter() - t0
         n_params = self.joint.num_params
         equal = grads_bitwise_equal(m.grads, self.reference_grads)
-        if strict and not equal:
+        within, diff, noise = False, 0.0, 0.0
+        if not equal:
+            within, diff, noise = self._within_run_to_run(m.grads)
+        if strict and not (equal or within):
             self.check_grads(schedule, m.grads)
+        ok = equal or within
         return ScheduleResult(
             schedule=schedule.method,
             recompute_num_layers=schedule.recompute_num_layers,
             provenance=schedule.provenance,
-            predicted_peak_bytes=report.peak_bytes if equal else None,
-            measured_peak_bytes=m.peak_bytes if equal else None,
+            predicted_peak_bytes=report.peak_bytes if ok else None,
+            measured_peak_bytes=m.peak_bytes if ok else None,
             error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
             peak_saving_vs_none_bytes=(
-                self.baseline_peak_bytes() - report.peak_bytes if equal else None
+                self.baseline_peak_bytes() - report.peak_bytes if ok else None
             ),
             saved_activation_bytes=report.saved_activation_bytes,
             recompute_flops=report.recompute_flops,
@@ -231,29 +313,50 @@ class Session:
             max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
             pass_time_s=pass_s,
             measure_time_s=measure_s,
+            max_grad_diff_vs_reference=diff,
+            run_to_run_grad_diff=noise,
+            grads_within_run_to_run=within,
         )
+
+    def _within_run_to_run(self, grads: list[Any]) -> tuple[bool, float, float]:
+        """``(within, largest |grad - reference|, largest run-to-run difference)``:
+        within when the un-rewritten step is not reproducible and every gradient differs
+        from the reference by at most the difference between its own runs."""
+        ref = self.reference_grads
+        if len(grads) != len(ref):
+            return False, float("inf"), 0.0
+        diffs = [max_abs_diff([g], [r]) for g, r in zip(grads, ref)]
+        noise = self.run_to_run_grad_diffs()
+        within = max(noise) > 0 and all(d <= n for d, n in zip(diffs, noise))
+        if not within and max(noise) > 0:  # not reproducible: look at more runs once
+            noise = self.run_to_run_grad_diffs(2 * REFERENCE_RUNS)
+            within = all(d <= n for d, n in zip(diffs, noise))
+        return within, max(diffs, default=0.0), max(noise, default=0.0)
 
 
     def baseline_peak_bytes(self) -> int:
         """Predicted peak of ``none`` (cached)."""
         if self._none_peak is None:
-            self._none_peak = self.prepare(schedules.none(self.stack.num_layers))[1].peak_bytes
+            self._none_peak = self.prepare(schedules.none(self.stack.layers_per_stack))[1].peak_bytes
         return self._none_peak
 
     def check_grads(self, schedule: Schedule, grads: list[Any]) -> None:
         """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
 
         Raises:
-            GradientMismatch: names the first primal whose gradient differs.
+            GradientMismatch: names the first primal whose gradient differs (beyond
+                the un-rewritten step's run-to-run difference, when it has one).
         """
         if grads_bitwise_equal(grads, self.reference_grads):
             return
-        for label, g, ref in zip(self.joint.primal_labels, grads, self.reference_grads):
-            if not grads_bitwise_equal([g], [ref]):
-                diff = max_abs_diff([g], [ref])
+        noise = self.run_to_run_grad_diffs()
+        for label, g, ref, n in zip(self.joint.primal_labels, grads, self.reference_grads, noise):
+            diff = max_abs_diff([g], [ref])
+            if not grads_bitwise_equal([g], [ref]) and not (n > 0 and diff <= n):
+                also = f"; its own runs differ by {n:.3g}" if n else ""
                 raise GradientMismatch(
                     f"{schedule.provenance}: the gradient of {label} differs from the "
-                    f"un-rewritten step (max |diff| {diff:.3g}); the rewrite is wrong and "
+                    f"un-rewritten step (max |diff| {diff:.3g}{also}); the rewrite is wrong and "
                     "its peak is not reported"
                 )
         raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
@@ -264,16 +367,16 @@ def sweep(
     schedule_list: Iterable[Schedule] | None = None,
     progress: Callable[[int, int, Schedule, ScheduleResult], None] | None = None,
 ) -> list[ScheduleResult]:
-    """Evaluate every schedule (default: ``megatron_schedules(L)``), in order.
+    """Evaluate every schedule (default: ``megatron_schedules`` of the stacks), in order.
 
     Args:
         session: the traced step (``Session.create``).
         schedule_list: schedules to evaluate.
         progress: called after each schedule with (index from 1, total, schedule, result).
 
-    Rows whose gradients differ carry ``grads_equal=False`` and no peak figures.
+    Rows whose gradients differ (``grads_match`` False) carry no peak figures.
     """
-    todo = list(schedule_list or megatron_schedules(session.stack.num_layers))
+    todo = list(schedule_list or megatron_schedules(session.stack.layers_per_stack))
     results = []
     for i, s in enumerate(todo, 1):
         r = session.evaluate(s, strict=False)

@@ -56,12 +56,20 @@ from .trace import JointGraph, trace_joint
 class SizeConverter:
     """SymInt / int / sympy size -> ``Poly`` over the named symbols of one trace.
 
+    Piecewise sizes: a ``Max`` / ``Min`` of sizes (T5's relative-position buckets give
+    ``Max(1, seq - 1)``) is the argument that is largest (smallest) over every value the
+    symbols may take, i.e. at or above each symbol's lower bound in the shape
+    environment (2 for a dynamic dimension: AOTAutograd specializes 0 and 1): ``seq - 1``
+    here. A ``Max`` whose arguments cross inside that range has no one polynomial and is
+    refused.
+
     Args:
         joint: the traced step; ``joint.symbols`` names the symbols (``batch`` ->
             AOTAutograd's ``s0``...), ``joint.shape_env`` resolves their relations.
 
     Raises (when called):
-        RematError: the size depends on a symbol that has no name.
+        RematError: the size depends on a symbol that has no name, or is a Max / Min
+            whose arguments are not ordered over the symbols' range.
     """
 
     def __init__(self, joint: JointGraph):
@@ -74,6 +82,14 @@ class SizeConverter:
         }
         self.shape_env = joint.shape_env
         self.cache: dict[Any, Poly] = {}
+        ranges = getattr(self.shape_env, "var_to_range", {}) or {}
+        lower = {name: max([1, *(int(ranges[s].lower) for s in internals
+                                 if s in ranges and ranges[s].lower.is_finite)])
+                 for name, internals in joint.symbols.items()}
+        # symbol = lower bound + t, t >= 0: a polynomial in t with no negative
+        # coefficient is >= 0 over the whole range
+        self._shifted = {self.named[g]: lower[g] + sympy.Symbol(f"_{g}_above", nonnegative=True)
+                         for g in self.gens}
 
     def __call__(self, value: Any) -> Poly:
         if isinstance(value, torch.SymInt):
@@ -87,7 +103,10 @@ class SizeConverter:
         e = expr
         if self.shape_env is not None:
             e = self.shape_env.replace(e)
-        e = sympy.expand(e.xreplace(self.to_name))
+        e = e.xreplace(self.to_name)
+        if any(_minmax_sign(x) for x in sympy.preorder_traversal(e)):
+            e = e.replace(lambda x: _minmax_sign(x) != 0, lambda x: self._piece(x, expr))
+        e = sympy.expand(e)
         extra = e.free_symbols - set(self.named.values())
         if extra:
             raise RematError(
@@ -102,6 +121,30 @@ class SizeConverter:
         self.cache[expr] = out
         return out
 
+    def _piece(self, piecewise: sympy.Expr, size: Any) -> sympy.Expr:
+        """The argument of a Max (Min) that is >= (<=) every other one over the range."""
+        sign = _minmax_sign(piecewise)
+        for a in piecewise.args:
+            if all(self._nonnegative(sign * (a - b)) for b in piecewise.args if b is not a):
+                return a
+        raise RematError(
+            f"size {size} is piecewise: {piecewise} has no argument that is the "
+            f"{'largest' if sign > 0 else 'smallest'} for every value of {list(self.gens)} the trace "
+            "allows, so it is no one polynomial; trace with concrete shapes (no symbols), or name "
+            "only the dimensions it does not depend on"
+        )
+
+    def _nonnegative(self, diff: sympy.Expr) -> bool:
+        """Whether ``diff`` (in the named symbols) is >= 0 wherever the symbols may be."""
+        d = sympy.expand(diff.xreplace(self._shifted))
+        if d.is_number:
+            return bool(d >= 0)
+        try:
+            coeffs = sympy.Poly(d, *sorted(d.free_symbols, key=str)).coeffs()
+        except sympy.PolynomialError:
+            return False
+        return all(c.is_number and c >= 0 for c in coeffs)
+
     def sympy(self, p: Poly) -> sympy.Expr:
         """``p`` as a sympy expression in the named symbols."""
         return sum(
@@ -109,6 +152,16 @@ class SizeConverter:
              for k, c in p.sort_key()),
             sympy.Integer(0),
         )
+
+
+def _minmax_sign(e: Any) -> int:
+    """1 for a Max, -1 for a Min (sympy's, or torch's own ``torch.utils._sympy``
+    classes of those names, which are no sympy.Max), 0 otherwise."""
+    if isinstance(e, sympy.Max) or (isinstance(e, sympy.Basic) and type(e).__name__ == "Max"):
+        return 1
+    if isinstance(e, sympy.Min) or (isinstance(e, sympy.Basic) and type(e).__name__ == "Min"):
+        return -1
+    return 0
 
 
 @dataclasses.dataclass
@@ -250,7 +303,7 @@ class SymbolicModel:
 
     @classmethod
     def from_joint(cls, joint: JointGraph, stack: LayerStack | None = None,
-                   layers: str | None = None) -> "SymbolicModel":
+                   layers: str | Sequence[str] | None = None) -> "SymbolicModel":
         """Wrap a traced step (``stack`` found with ``assign_layers`` when None)."""
         joint = inline_sizes(joint)
         stack = stack or assign_layers(joint, layers)
@@ -327,9 +380,9 @@ class SymbolicModel:
         each a list over the layers, and ``outer_saved_bytes``: bytes the outer region
         saves (embedding, head, loss), one expression.
         """
-        L = self.num_layers
-        none = self.profile(schedules.none(L))
-        u1 = self.profile(schedules.uniform(1, L))
+        L, per_stack = self.num_layers, self.stack.layers_per_stack
+        none = self.profile(schedules.none(per_stack))
+        u1 = self.profile(schedules.uniform(1, per_stack))
         return {
             "checkpoint_bytes": [self.to_sympy(u1.saved_by_layer.get(i, Poly())) for i in range(L)],
             "stored_layer_bytes": [self.to_sympy(none.saved_by_layer.get(i, Poly())) for i in range(L)],
@@ -343,18 +396,21 @@ class SymbolicModel:
     def chain_polys(self) -> dict[str, Any]:
         """The chain model's costs (``solvers.ChainCosts`` fields) as lists of Pareto
         polynomial sets (a Max) per layer, calibrated from the liveness profiles of
-        ``none``, ``uniform(1)`` and ``uniform(L)``. See ``chain_costs``."""
-        L = self.num_layers
-        none = self.profile(schedules.none(L))
-        u1 = self.profile(schedules.uniform(1, L))
-        uL = self.profile(schedules.uniform(L, L))
+        ``none``, ``uniform(1)`` and ``uniform(L)`` (for several stacks: each stack one
+        group). See ``chain_costs``."""
+        L, per_stack = self.num_layers, self.stack.layers_per_stack
+        last = self._last_layers()
+        none = self.profile(schedules.none(per_stack))
+        u1 = self.profile(schedules.uniform(1, per_stack))
+        uL = self.profile(schedules.uniform(max(per_stack), per_stack))
         out: dict[str, Any] = {}
         out["stored_saved_bytes"] = [[none.saved_by_layer.get(i, Poly())] for i in range(L)]
         out["last_saved_bytes"] = [[u1.saved_by_layer.get(i, Poly())] for i in range(L)]
-        out["member_saved_bytes"] = [[uL.saved_by_layer.get(i, Poly())] if i < L - 1 else [Poly()] for i in range(L)]
+        out["member_saved_bytes"] = [[uL.saved_by_layer.get(i, Poly())] if i not in last else [Poly()]
+                                     for i in range(L)]
         out["last_recompute_flops"] = [[u1.recompute_flops_by_layer.get(i, Poly())] for i in range(L)]
         out["member_recompute_flops"] = [
-            [uL.recompute_flops_by_layer.get(i, Poly())] if i < L - 1 else [Poly()] for i in range(L)
+            [uL.recompute_flops_by_layer.get(i, Poly())] if i not in last else [Poly()] for i in range(L)
         ]
 
         def prefix(prof: SymbolicStep, j: int) -> Poly:
@@ -381,7 +437,8 @@ class SymbolicModel:
         out["head_bytes"] = above(n_head or [Poly()], prefix(none, L))
         out["outer_bytes"] = pareto_max(n_outer or [Poly()])
         out["forward_flops"] = [[sum(none.forward_flops_by_layer.values(), Poly())]]
-        # carry: U_j = (peak of layer j's backward in one group of all layers) - (alone);
+        # carry: U_j = (peak of layer j's backward in one group of all layers of its
+        # stack) - (alone);
         # carry_i = U_{i+1} - U_i, each a Max, so it is evaluated at concrete values.
         out["uniform_all_backward"] = [l_bw.get(j, [Poly()]) for j in range(L)]
         return out
@@ -392,7 +449,9 @@ class SymbolicModel:
         ``carry_bytes[i] = U(i+1) - U(i)`` where ``U(j)`` is the backward peak of layer j
         inside one group of all layers minus its backward peak alone (uniform(1)),
         both above the bytes saved by the layers before; by construction the model
-        reproduces ``none``, ``uniform(1)`` and ``uniform(L)``.
+        reproduces ``none``, ``uniform(1)`` and ``uniform(L)``. For several stacks the
+        chain is the stacks' layers in chain order, and ``ChainCosts.stack_starts`` keeps
+        every group inside one stack.
 
         Raises:
             ValueError: a symbol has no value.
@@ -406,14 +465,20 @@ class SymbolicModel:
         fields = {k: tuple(max_value(ps, vals) for ps in polys[k]) for k in per_layer}
         u = [max_value(polys["uniform_all_backward"][j], vals) - fields["recomputed_backward_bytes"][j]
              for j in range(L)]
-        fields["carry_bytes"] = tuple(u[i + 1] - u[i] if i + 1 < L else 0 for i in range(L))
+        last = self._last_layers()
+        fields["carry_bytes"] = tuple(u[i + 1] - u[i] if i not in last else 0 for i in range(L))
         return ChainCosts(
             **fields,
             head_bytes=max_value(polys["head_bytes"], vals),
             outer_bytes=max_value(polys["outer_bytes"], vals),
             forward_flops=max_value(polys["forward_flops"][0], vals),
             shared_checkpoint_bytes=max_value(polys["shared_checkpoint_bytes"], vals),
+            stack_starts=tuple(s.first_layer for s in self.stack.stacks[1:]),
         )
+
+    def _last_layers(self) -> set[int]:
+        """The last layer of every stack."""
+        return {s.first_layer + s.num_layers - 1 for s in self.stack.stacks}
 
     # ---------------------------------------------------------------- closed forms
 
@@ -425,8 +490,7 @@ class SymbolicModel:
         L = self.num_layers
         j = L // 2 if layer is None else layer
         polys = self.chain_polys()
-        child = self.stack.child_names[j]
-        prefix = f"{self.stack.path}.{child}." if self.stack.path else f"{child}."
+        prefix = self.stack.layer_path(j) + "."
         param_grad_bytes = sum(
             int(v.untyped_storage().nbytes())
             for v, kind, label in zip(self.joint.primal_values, self.joint.primal_kinds, self.joint.primal_labels)
@@ -507,7 +571,7 @@ def trace_symbolic(
     example_inputs: Any,
     loss_fn: Any = None,
     symbols: Mapping[str, Any] | None = None,
-    layers: str | None = None,
+    layers: str | Sequence[str] | None = None,
 ) -> SymbolicModel:
     """Trace with named shape symbols and wrap the result (see ``trace_joint``).
 
@@ -515,7 +579,8 @@ def trace_symbolic(
         model, example_inputs, loss_fn: as ``trace_joint``.
         symbols: input dimensions to name, e.g. ``{"batch": [("input_ids", 0),
             ("labels", 0)], "seq": [("input_ids", 1), ("labels", 1)]}``.
-        layers: module path of the layer stack (found automatically when None).
+        layers: module path of the layer stack, or paths of several (found
+            automatically when None).
 
     Raises:
         UnsupportedGraph: the model specializes a named size (see ``trace_joint``).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -26,6 +27,8 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from .errors import RematError, UnsupportedGraph
 
@@ -175,6 +178,17 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     )
 
 
+def _describe_value(value: Any) -> str:
+    """``a tensor of shape [8, 6] (float32)``, ``a tuple of 2``, or the type's name (a
+    traced tensor is named by its shape, not its internal tensor type)."""
+    if isinstance(value, torch.Tensor):
+        shape = ", ".join(str(d) for d in value.shape)
+        return f"a tensor of shape [{shape}] ({str(value.dtype).replace('torch.', '')})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar loss of one model output.
 
@@ -193,10 +207,11 @@ def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
         elif isinstance(loss, dict) and "loss" in loss:
             loss = loss["loss"]
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = "the loss_fn returned" if loss_fn is not None else "the model output is"
         raise RematError(
-            "the training step needs a scalar loss: the model output is "
-            f"{type(output).__name__}; pass loss_fn(output) -> scalar tensor, or make the "
-            "model return the loss (or an object with a .loss)"
+            f"the training step needs a scalar loss: {what} {_describe_value(loss)}; pass "
+            "loss_fn(output) -> scalar tensor (e.g. .sum() or .mean() of it), or make the model "
+            "return the loss (or an object with a .loss)"
         )
     return loss
 
@@ -284,7 +299,12 @@ def trace_joint(
         trace_values, dims_of_symbol, shape_env = _symbolic_inputs(
             symbols, primal_values, n_p + n_b, arg_spec, kwarg_spec
         )
-    joint, num_fwd_outputs = _capture_joint(step, trace_values, dynamic=bool(symbols))
+    try:
+        joint, num_fwd_outputs = _capture_joint(step, trace_values, dynamic=bool(symbols))
+    except UnsupportedGraph as e:
+        if isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+            _explain_untraceable(step, primal_values, e)
+        raise
     if num_fwd_outputs != 1:
         raise UnsupportedGraph(
             f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
@@ -339,7 +359,7 @@ def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
         context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
-        with fx_traceback.preserve_node_meta(), context:
+        with fx_traceback.preserve_node_meta(), context, _fake_tensor_log_quiet():
             compiled(*trace_values)
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs
@@ -359,6 +379,90 @@ def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any
             "backward) must be replaced or kept outside the traced model."
         ) from e
     raise RematError("AOTAutograd produced no joint graph: no parameter or input requires grad")
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """Keep FakeTensorMode's own log of a failing meta function (a 20-line traceback on
+    stderr) out of the output while tracing: the error is raised to the caller, with
+    its cause, as an UnsupportedGraph."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+TRACE_FIXES = {
+    "aten._grouped_mm": (
+        "transformers' mixture-of-experts layers call it by default "
+        "(config._experts_implementation = 'grouped_mm'), and its meta function accepts only "
+        "bfloat16 here; build the model with config._experts_implementation = 'batched_mm' "
+        "(or 'eager'), or trace it in bfloat16"
+    ),
+}
+"""Ops that run eagerly but whose meta (shape) function refuses the inputs, with the
+fix to name (op overload packet -> what to do)."""
+
+
+class _FakeCheck(TorchDispatchMode):
+    """Runs every op eagerly and again on fake copies of its inputs; keeps the first op
+    whose fake run (its meta function, which tracing uses) fails: ``(op, error)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: tuple[Any, BaseException] | None = None
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.failed is None:
+            try:
+                fake_args, fake_kwargs = tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
+                with self.fake:
+                    func(*fake_args, **fake_kwargs)
+            except Exception as e:  # noqa: BLE001 - any failure of the meta function is the finding
+                self.failed = (func, e)
+        return out
+
+
+def _explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequence[torch.Tensor],
+                         error: UnsupportedGraph) -> None:
+    """Find the op that made tracing fail and raise an UnsupportedGraph naming it.
+
+    The step is run eagerly once (forward and backward, parameter ``.grad`` restored)
+    with every op also run on fake tensors; the first op that runs eagerly but not on
+    fake tensors is the one tracing cannot pass. Returns without raising when every op
+    passes (the error is elsewhere) or the eager step fails too.
+
+    Raises:
+        UnsupportedGraph: naming the op, its error, and the fix when ``TRACE_FIXES``
+            knows one; chained to the original error.
+    """
+    grads = [p.grad for p in primal_values]
+    check = _FakeCheck()
+    try:
+        with check, _fake_tensor_log_quiet():
+            step(*primal_values).backward()
+    except Exception:  # noqa: BLE001 - the step fails eagerly too: the original error stands
+        return
+    finally:
+        for p, g in zip(primal_values, grads):
+            p.grad = g
+    if check.failed is None:
+        return
+    op, cause = check.failed
+    packet = str(op.overloadpacket) if hasattr(op, "overloadpacket") else str(op)
+    fix = TRACE_FIXES.get(packet, "")
+    raise UnsupportedGraph(
+        f"{op} runs eagerly on these inputs but cannot be traced: its meta function, which "
+        f"AOTAutograd runs on fake tensors, fails ({type(cause).__name__}: {cause}). "
+        + (f"Fix: {fix}." if fix else
+           "Keep that op outside the traced model, or use inputs (dtype, device) its meta function accepts.")
+    ) from error.__cause__
 
 
 def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str]) -> list[torch.Tensor]:

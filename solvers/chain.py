@@ -16,6 +16,9 @@ liveness (``remat_pass.symbolic.SymbolicModel.chain_costs``):
   layers of the group below j were rebuilt together with j and are still live.
 - The head (final norm, logits, loss and their backward): ``M(<L) + head_bytes``; the
   rest of the outer region: ``outer_bytes``.
+- Several layer stacks (an encoder and a decoder) form one chain, stack after stack;
+  ``stack_starts`` lists the first layer of every stack after the first, and no group
+  spans a stack boundary (a group is rebuilt from one saved input).
 - A schedule with at least one group also saves ``shared_checkpoint_bytes``: outer
   values every group reads (an attention mask), saved once. They are live in every
   forward region, the head, and the backward of every layer above the lowest group
@@ -44,7 +47,9 @@ from .errors import InvalidSchedule, infeasible
 class ChainCosts:
     """Per-layer costs of a layer stack (bytes and FLOPs, plain ints; length L each).
 
-    See the module docstring for how each enters the peak.
+    See the module docstring for how each enters the peak. ``stack_starts``: the first
+    layer of each stack after the first when the chain is several stacks (no group
+    spans one of these boundaries); empty for one stack.
     """
 
     stored_saved_bytes: tuple[int, ...]
@@ -61,13 +66,21 @@ class ChainCosts:
     outer_bytes: int
     forward_flops: int = 0
     shared_checkpoint_bytes: int = 0
+    stack_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.stored_saved_bytes)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, tuple) and len(v) != n:
+            if isinstance(v, tuple) and f.name != "stack_starts" and len(v) != n:
                 raise ValueError(f"ChainCosts.{f.name} has {len(v)} entries for L={n} layers")
+        if list(self.stack_starts) != sorted(set(self.stack_starts)) or any(
+                not 0 < s < n for s in self.stack_starts):
+            raise ValueError(f"ChainCosts.stack_starts {self.stack_starts} are not increasing layers in 1..{n - 1}")
+
+    def stack_end(self, layer: int) -> int:
+        """One past the last layer of the stack holding ``layer`` (L for the last stack)."""
+        return min((s for s in self.stack_starts if s > layer), default=self.num_layers)
 
     @property
     def num_layers(self) -> int:
@@ -121,8 +134,8 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
     """The chain model's peak and recompute FLOPs of one schedule.
 
     Raises:
-        InvalidSchedule: a group is not a run of consecutive layers in 0..L-1, or
-            groups overlap.
+        InvalidSchedule: a group is not a run of consecutive layers in 0..L-1, groups
+            overlap, or a group spans two stacks.
     """
     start_of: dict[int, int] = {}
     covered: set[int] = set()
@@ -132,6 +145,8 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
             raise InvalidSchedule(f"group {g} is not a run of consecutive layers in 0..{c.num_layers - 1}")
         if covered & set(g):
             raise InvalidSchedule(f"group {g} overlaps another group")
+        if g[-1] >= c.stack_end(g[0]):
+            raise InvalidSchedule(f"group {g} spans two layer stacks (stacks start at 0 {c.stack_starts})")
         covered |= set(g)
         start_of[g[0]] = g[-1]
     x = c.shared_checkpoint_bytes if start_of else 0
@@ -257,7 +272,7 @@ def _solve(c: ChainCosts, budget_bytes: int | None, flops_budget: int | None,
                     s.key + ((i, -1),), ((i, None), s.choices), s.has_group))
                 if not mode:
                     continue
-                for q in range(i, L):
+                for q in range(i, c.stack_end(i)):
                     if (i, q) not in group_cache:
                         group_cache[(i, q)] = _group_terms(c, i, q)
                     g = group_cache[(i, q)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from remat_pass import schedule
 from remat_pass.cli import EXIT_USAGE, main
@@ -47,6 +48,25 @@ def test_parse_fraction(text, expected):
 def test_parse_fraction_rejects(text):
     with pytest.raises(ValueError):
         parse_fraction(text)
+
+
+class GeluLinear(torch.nn.Linear):
+    """A Linear followed by GELU: the same parameters, one more saved activation."""
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(super().forward(x))
+
+
+def gelu_chain(batch: int = 137, width: int = 256, layers: int = 8, seed: int = 0):
+    """``models.linear_chain`` with a GELU after every layer: same parameters (same
+    seed), same input, larger activations (a regression of the same model)."""
+    from remat_pass.models import linear_chain
+
+    model, inputs, loss_fn = linear_chain(batch=batch, width=width, layers=layers, seed=seed)
+    torch.manual_seed(seed)
+    grown = torch.nn.Sequential(*[GeluLinear(width, width) for _ in range(layers)])
+    grown.load_state_dict(model.state_dict())
+    return grown, inputs, loss_fn
 
 
 def chain_report(batch: int, sched=None) -> dict:
@@ -120,11 +140,20 @@ def test_cli_check_exit_codes(tmp_path, capsys, small):
     # same model, same graph: passes at 0 %
     assert main(["check", *CHAIN, "--batch", "64", "--all-schedules", "--baseline", str(base)]) == EXIT_OK
     assert "8 of 8 checks passed" in capsys.readouterr().out
-    # larger batch: fails with an explanation, passes under a generous limit
-    assert main(["check", *CHAIN, "--batch", "96", "--baseline", str(base), "--max-regression", "1%"]) == EXIT_FAILED
+    # a larger batch is another model (other inputs): refused, saying what differs
+    assert main(["check", *CHAIN, "--batch", "96", "--baseline", str(base), "--max-regression", "100%"]) == EXIT_USAGE
+    assert "the baseline is of another model" in capsys.readouterr().err
+    # same parameters and inputs, more activation memory (a GELU after every Linear):
+    # fails with an explanation, passes under a generous limit
+    # (at batch 1024 the activations, not the weight gradients, make the peak)
+    wide = tmp_path / "wide.json"
+    assert main(["report", *CHAIN, "--batch", "1024", "--json", str(wide)]) == EXIT_OK
+    capsys.readouterr()
+    grown = ["--model", "test_gate:gelu_chain", "--layers", "3", "--batch", "1024"]
+    assert main(["check", *grown, "--baseline", str(wide), "--max-regression", "1%"]) == EXIT_FAILED
     out = capsys.readouterr().out
     assert "REGRESSION" in out and "new or larger" in out and "layer" in out
-    assert main(["check", *CHAIN, "--batch", "96", "--baseline", str(base), "--max-regression", "100%"]) == EXIT_OK
+    assert main(["check", *grown, "--baseline", str(wide), "--max-regression", "100%"]) == EXIT_OK
     capsys.readouterr()
     # budget: the predicted peak of `none` itself passes, one byte less fails
     peak = json.loads(base.read_text())["reports"][0]["peak_bytes"]

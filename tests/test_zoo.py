@@ -21,9 +21,10 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def distinct_schedules(num_layers: int) -> list[schedules.Schedule]:
-    """``megatron_schedules(L)`` less the repeats of one rewrite: schedules with the same
-    ``groups`` (``none`` = ``block(N=0)``, ``uniform(K=1)`` = ``block(N=L)``)."""
+def distinct_schedules(num_layers: schedules.Layers) -> list[schedules.Schedule]:
+    """``megatron_schedules(L)`` (L of each stack) less the repeats of one rewrite:
+    schedules with the same ``groups`` (``none`` = ``block(N=0)``, ``uniform(K=1)`` =
+    ``block(N=L)``)."""
     out, seen = [], set()
     for s in megatron_schedules(num_layers):
         if s.groups not in seen:
@@ -87,7 +88,7 @@ def test_zoo(entry: ZooEntry):
         f"(expected {list(entry.empty_layers)})"
     )
     problems = []
-    for sch in distinct_schedules(L):
+    for sch in distinct_schedules(session.stack.layers_per_stack):
         try:
             r = session.evaluate(sch, strict=False)
         except RematError as e:

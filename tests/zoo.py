@@ -57,8 +57,8 @@ class ZooEntry:
         build: returns ``(model, example_inputs, loss_fn)`` with fresh weights seeded 0.
         exercises: one sentence: what the model exercises.
         num_layers: L, the number of layers of the stack found (None: not checked).
-        layers: the ``layers=`` stack path given to ``Session.create`` (None: found
-            automatically).
+        layers: the ``layers=`` stack path (or paths) given to ``Session.create``
+            (None: found automatically).
         expect_stack_path: the path the stack must be found at (None: not checked).
         empty_layers: layers of the stack expected to hold no graph node; any other
             empty layer is a silent miss.
@@ -72,7 +72,7 @@ class ZooEntry:
     build: Callable[[], Built]
     exercises: str
     num_layers: int | None = None
-    layers: str | None = None
+    layers: str | tuple[str, ...] | None = None
     expect_stack_path: str | None = None
     empty_layers: tuple[int, ...] = ()
     refusal: Refusal | None = None
@@ -296,6 +296,15 @@ class EncDec(nn.Module):
         for b in self.dec:
             tgt = b(tgt, src)
         return sq(tgt)
+
+
+def check_enc_dec_stacks(session: Session) -> None:
+    """The encoder's 2 layers are chain layers 0-1, the decoder's 3 layers 2-4, and
+    uniform(K=2) makes groups inside each stack (none spans the boundary)."""
+    spans = [(s.path, s.first_layer, s.num_layers) for s in session.stack.stacks]
+    assert spans == [("enc", 0, 2), ("dec", 2, 3)], spans
+    assert schedules.uniform(2, session.stack.layers_per_stack).groups == ((0, 1), (2, 3), (4,))
+    assert schedules.block(1, session.stack.layers_per_stack).groups == ((0,), (2,))
 
 
 class Inner(Block):
@@ -993,10 +1002,11 @@ ZOO: tuple[ZooEntry, ...] = (
     ZooEntry(
         "encoder_decoder_two_stacks",
         seeded(EncDec, lambda: (x(), x(seed=2))),
-        "two stacks (encoder of 2, decoder of 3 cross-attention layers): the longer one, "
-        "'dec', is found.",
-        num_layers=3,
-        expect_stack_path="dec",
+        "two stacks (encoder of 2, decoder of 3 cross-attention layers): both found, one "
+        "chain of 5 layers, schedules applied per stack.",
+        num_layers=5,
+        expect_stack_path="enc, dec",
+        check=check_enc_dec_stacks,
     ),
     ZooEntry(
         "encoder_decoder_encoder_named",
