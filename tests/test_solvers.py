@@ -5,12 +5,14 @@ optimized schedule beats uniform/block, and the peak never rises as the budget f
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
+import chain_oracle
 from remat_pass.errors import InfeasibleBudget
-from solvers import ChainCosts, least_peak, least_recompute, model_peak, pareto_front
+from solvers import ChainCosts, StoredOption, least_feasible_peak, least_peak, least_recompute, model_peak, pareto_front
 
 
 def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -29,26 +31,45 @@ def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def random_costs(L: int, seed: int) -> ChainCosts:
+def random_costs(L: int, seed: int, options: int = 0, scale: int = 1) -> ChainCosts:
+    """Random heterogeneous chain costs; ``options`` op-level options per layer (each
+    saving part of the stored bytes for some recompute); every figure times ``scale``."""
     r = random.Random(seed)
 
     def v(lo: int, hi: int) -> tuple[int, ...]:
-        return tuple(r.randint(lo, hi) for _ in range(L))
+        return tuple(scale * r.randint(lo, hi) for _ in range(L))
+
+    def opts(i: int) -> tuple[StoredOption, ...]:
+        return tuple(StoredOption(scale * r.randint(20, 150), scale * r.randint(40, 150),
+                                  scale * r.randint(80, 300), scale * r.randint(0, 60)) for _ in range(options))
 
     return ChainCosts(
         stored_saved_bytes=v(50, 200), last_saved_bytes=v(5, 20), member_saved_bytes=v(0, 3),
         stored_forward_bytes=v(40, 150), recomputed_forward_bytes=v(30, 120),
         stored_backward_bytes=v(100, 300), recomputed_backward_bytes=v(100, 300),
         carry_bytes=v(50, 200), last_recompute_flops=v(10, 100), member_recompute_flops=v(10, 100),
-        head_bytes=r.randint(0, 400), outer_bytes=r.randint(0, 300),
-        shared_checkpoint_bytes=r.randint(0, 30),
+        head_bytes=scale * r.randint(0, 400), outer_bytes=scale * r.randint(0, 300),
+        shared_checkpoint_bytes=scale * r.randint(0, 30),
+        stored_options=tuple(opts(i) for i in range(L)) if options else (),
     )
 
 
-@pytest.mark.parametrize("L,seed", [(1, 0), (3, 1), (4, 2), (5, 3), (6, 4)])
-def test_dynamic_program_is_exact(L, seed):
-    c = random_costs(L, seed)
-    every = [model_peak(c, g) for g in all_groupings(L)]
+def every_schedule(c: ChainCosts) -> list:
+    """model_peak of every schedule: each grouping, and each option of each stored layer."""
+    out = []
+    for groups in all_groupings(c.num_layers):
+        inside = {i for g in groups for i in g}
+        choices = [range(len(c.options(i))) if i not in inside else [0] for i in range(c.num_layers)]
+        for combo in itertools.product(*choices):
+            out.append(model_peak(c, groups, combo))
+    return out
+
+
+@pytest.mark.parametrize("L,seed,options", [(1, 0, 0), (3, 1, 0), (4, 2, 0), (5, 3, 0), (6, 4, 0),
+                                            (3, 5, 2), (4, 6, 1), (5, 7, 2)])
+def test_dynamic_program_is_exact(L, seed, options):
+    c = random_costs(L, seed, options)
+    every = every_schedule(c)
     least = min(s.peak_bytes for s in every)
     most = max(s.peak_bytes for s in every)
     for budget in sorted({least, (least + most) // 2, most, least + 7}):
@@ -57,7 +78,7 @@ def test_dynamic_program_is_exact(L, seed):
         sol = least_recompute(c, budget)
         assert sol.recompute_flops == best
         assert sol.peak_bytes <= budget
-        assert model_peak(c, sol.groups).peak_bytes == sol.peak_bytes
+        assert model_peak(c, sol.groups, sol.options) == sol
     with pytest.raises(InfeasibleBudget) as e:
         least_recompute(c, least - 1)
     assert e.value.least_feasible_peak_bytes == least
@@ -68,6 +89,30 @@ def test_dynamic_program_is_exact(L, seed):
     # the Pareto front: no schedule is strictly better on both
     for p in pareto_front(c):
         assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
+
+
+@pytest.mark.parametrize("L,seed", [(10, 11), (16, 12), (24, 13)])
+def test_pruned_dynamic_program_matches_the_unpruned_one(L, seed):
+    """Longer random chains against the dynamic program without bounds (the old one):
+    the same least recompute at budgets across the range, the same least peak."""
+    c = random_costs(L, seed)
+    least = least_feasible_peak(c)
+    assert least.peak_bytes == chain_oracle.least_peak_bytes(c)
+    assert least_recompute(c, least.peak_bytes).recompute_flops == least.recompute_flops
+    top = model_peak(c, ()).peak_bytes
+    for budget in sorted({least.peak_bytes + (top - least.peak_bytes) * k // 6 for k in range(7)}):
+        sol, old = least_recompute(c, budget), chain_oracle.least_recompute(c, budget)
+        assert sol.recompute_flops == old.recompute_flops, budget
+        assert model_peak(c, sol.groups) == sol and sol.peak_bytes <= budget
+
+
+def test_huge_figures_stay_exact():
+    """Figures past int64 (scaled by 2**62) give the same schedules, scaled."""
+    small, huge = random_costs(7, 21, options=1), random_costs(7, 21, options=1, scale=2**62)
+    for budget in (1200, 1500, 2000):
+        a, b = least_recompute(small, budget), least_recompute(huge, budget * 2**62)
+        assert (b.groups, b.options, b.peak_bytes, b.recompute_flops) == (
+            a.groups, a.options, a.peak_bytes * 2**62, a.recompute_flops * 2**62)
 
 
 def test_negative_recompute_budget():
