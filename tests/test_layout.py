@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = [
     "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers",
     "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.trace",
-    "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.rewrite",
+    "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
     "remat_pass.liveness", "remat_pass.measure", "remat_pass.sweep", "remat_pass.symbolic",
     "remat_pass.planner", "remat_pass.report", "remat_pass.inspection", "remat_pass.plot",
     "remat_pass.gate", "remat_pass.compiled_graphs", "remat_pass.graph_transforms", "remat_pass.backend_options",
