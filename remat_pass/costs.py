@@ -179,14 +179,16 @@ def bytes_moved(node: fx.Node) -> int:
     symbolic size counts 0: op-level planning is for concrete shapes)."""
     if node.op != "call_function" or node.target is operator.getitem:
         return 0
-    packet = getattr(node.target, "overloadpacket", None)
+    target, inputs, out = node.target, list(node.all_input_nodes), node.meta.get("val")
+    wrapper = getattr(target, "__name__", "")
+    if wrapper == "run_with_rng_state":  # (state, op, *args): the op's traffic
+        target, inputs = node.args[1], [a for a in node.all_input_nodes if a is not node.args[0]]
+    elif wrapper == "run_and_save_rng_state":  # (op, *args) -> (state, output)
+        target, out = node.args[0], out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else out
+    packet = getattr(target, "overloadpacket", None)
     if getattr(packet, "__name__", "") in _NO_DATA_MOVED:
         return 0
-    total = 0
-    for a in node.all_input_nodes:
-        total += _element_bytes(a.meta.get("val"))
-    total += _element_bytes(node.meta.get("val"))
-    return total
+    return sum(_element_bytes(a.meta.get("val")) for a in inputs) + _element_bytes(out)
 
 
 def _element_bytes(val: Any) -> int:
