@@ -16,6 +16,7 @@ import torch
 
 from . import schedule as schedules
 from .errors import GradientMismatch
+from .costs import bytes_moved
 from .liveness import MemoryReport, analyze
 from .measure import (
     eager_grads,
@@ -24,6 +25,7 @@ from .measure import (
     measure_step,
     run_joint,
 )
+from .partition import Partition
 from .regions import LayerStack, assign_layers, find_layer_stack
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule, megatron_schedules, recompute_fraction
@@ -54,6 +56,13 @@ class ScheduleResult:
             gradients (float rounding of the traced ops; not a correctness check).
         pass_time_s: seconds for rewrite + liveness.
         measure_time_s: seconds to run and measure the step (warm-up included).
+        policy: the op-level policy of the stored layers (``Partition.policy``), None
+            for a layer-level schedule.
+        saved_nodes: how many forward values are saved for backward (RNG states not
+            counted).
+        recomputed_nodes: how many forward nodes backward recomputes.
+        recompute_bytes_moved: bytes the recomputed nodes read and write
+            (``costs.bytes_moved``; their FLOPs are ``recompute_flops``).
     """
 
     schedule: str
@@ -74,6 +83,10 @@ class ScheduleResult:
     max_grad_diff_vs_eager: float
     pass_time_s: float
     measure_time_s: float
+    policy: str | None = None
+    saved_nodes: int = 0
+    recomputed_nodes: int = 0
+    recompute_bytes_moved: int = 0
 
     @property
     def recompute_fraction(self) -> float:
@@ -151,23 +164,24 @@ class Session:
         return self._eager_param_grads
 
     def prepare(
-        self, schedule: Schedule, allocator: str = "cpu"
+        self, schedule: Schedule | Partition, allocator: str = "cpu"
     ) -> tuple[RewrittenStep, MemoryReport, float]:
-        """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``."""
+        """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``.
+        ``schedule`` may be a Partition (an op-level policy)."""
         t0 = time.perf_counter()
         step = rewrite(self.joint, self.stack, schedule)
         report = analyze(step, allocator)
         return step, report, time.perf_counter() - t0
 
-    def report(self, schedule: Schedule, allocator: str = "cpu") -> MemoryReport:
+    def report(self, schedule: Schedule | Partition, allocator: str = "cpu") -> MemoryReport:
         """The predicted MemoryReport of ``schedule`` (``prepare`` without the step)."""
         return self.prepare(schedule, allocator)[1]
 
-    def evaluate(self, schedule: Schedule, strict: bool = True) -> ScheduleResult:
+    def evaluate(self, schedule: Schedule | Partition, strict: bool = True) -> ScheduleResult:
         """Rewrite, predict, run and measure ``schedule``.
 
         Args:
-            schedule: the schedule.
+            schedule: the schedule, or a Partition (an op-level policy).
             strict: raise when gradients differ; with False the result carries
                 ``grads_equal=False`` and no peak figures (None).
 
@@ -183,10 +197,12 @@ class Session:
         equal = grads_bitwise_equal(m.grads, self.reference_grads)
         if strict and not equal:
             self.check_grads(schedule, m.grads)
+        layer_level = step.schedule
+        recomputed = [n for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute"]
         return ScheduleResult(
-            schedule=schedule.method,
-            recompute_num_layers=schedule.recompute_num_layers,
-            provenance=schedule.provenance,
+            schedule=layer_level.method if layer_level is not None else "none",
+            recompute_num_layers=layer_level.recompute_num_layers if layer_level is not None else None,
+            provenance=step.provenance,
             predicted_peak_bytes=report.peak_bytes if equal else None,
             measured_peak_bytes=m.peak_bytes if equal else None,
             error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
@@ -204,6 +220,10 @@ class Session:
             max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
             pass_time_s=pass_s,
             measure_time_s=measure_s,
+            policy=step.partition.policy,
+            saved_nodes=len(step.partition.saved),
+            recomputed_nodes=len(step.partition.recomputed_names),
+            recompute_bytes_moved=sum(bytes_moved(n) for n in recomputed),
         )
 
 
@@ -213,7 +233,7 @@ class Session:
             self._none_peak = self.prepare(schedules.none(self.stack.num_layers))[1].peak_bytes
         return self._none_peak
 
-    def check_grads(self, schedule: Schedule, grads: list[Any]) -> None:
+    def check_grads(self, schedule: Schedule | Partition, grads: list[Any]) -> None:
         """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
 
         Raises:
