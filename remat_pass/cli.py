@@ -154,9 +154,12 @@ def check_policy_names(args: argparse.Namespace) -> None:
     """Refuse unknown module kinds and policies before tracing (the names alone).
 
     Raises:
+        ValueError: more than one of --selective, --recompute-modules, --policy.
         InvalidSchedule: a kind outside ``policies.KINDS`` or a policy outside
             ``policies.POLICIES`` (the message lists them).
     """
+    if sum(bool(getattr(args, o, None)) for o in ("selective", "recompute_modules", "policy")) > 1:
+        raise ValueError("give one of --selective, --recompute-modules, --policy")
     kinds = _split(args.recompute_modules) + [k.partition("=")[0] for k in args.module_kind]
     bad = [k for k in kinds if k not in KINDS]
     if bad:

@@ -5,8 +5,9 @@ Module kinds (``KINDS``, Megatron-Core's ``--recompute-modules`` names) are foun
 every layer of the stack from the module paths recorded on the nodes
 (``nn_module_stack``) and from the data flow between projections:
 
-- ``core_attn``: softmax over a product of two activations (query x key), or a
-  scaled-dot-product attention op, and everything between the query / key / value
+- ``core_attn``: a module called like Megatron's (``core_attention``,
+  ``DotProductAttention``) when the layer has one; else, by data flow: softmax over a
+  product of two activations (query x key), or a scaled-dot-product attention op, and everything between the query / key / value
   projections and the output projection (scores, mask, softmax, attention dropout,
   attention over values): upstream back to projections, downstream while every other
   input comes from projections (not from the residual stream). Found by data flow, so
@@ -68,6 +69,7 @@ _VIEWS = {"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expan
           "unsqueeze", "squeeze", "slice", "select", "as_strided"}
 _MLP_CLASS = re.compile(r"mlp|feedforward|feed_forward|ffn", re.IGNORECASE)
 _NORM_CLASS = re.compile(r"norm", re.IGNORECASE)
+_CORE_CLASS = re.compile(r"core_?attention|core_attn|dotproductattention", re.IGNORECASE)
 _ACT_CLASS = re.compile(r"act|gelu|silu|relu|swish|glu", re.IGNORECASE)
 
 
@@ -264,7 +266,10 @@ def module_kinds(joint: JointGraph, stack: LayerStack,
     out: dict[str, dict[int, frozenset[str]]] = {k: {} for k in KINDS}
     for layer, nodes in ln.layers.items():
         found: dict[str, set[fx.Node]] = {}
-        found["core_attn"] = _core_attention(nodes, ln.params)
+        core_modules = {path for n in nodes for path, cls in ln.classes[n] if _CORE_CLASS.search(cls)
+                        or _CORE_CLASS.search(path.rsplit(".", 1)[-1])}
+        found["core_attn"] = ({n for n in nodes if _matches(ln.module_of[n], core_modules)} if core_modules
+                              else _core_attention(nodes, ln.params))
         found["mlp"] = _mlp(ln, nodes, found["core_attn"])
         found["layernorm"] = {n for n in nodes if ln.classes[n] and "." not in ln.classes[n][0][0]
                               and _NORM_CLASS.search(ln.classes[n][0][1])}

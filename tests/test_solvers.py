@@ -13,6 +13,7 @@ import pytest
 import chain_oracle
 from remat_pass.errors import InfeasibleBudget
 from solvers import ChainCosts, StoredOption, least_feasible_peak, least_peak, least_recompute, model_peak, pareto_front
+from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
 
 
 def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -113,6 +114,45 @@ def test_huge_figures_stay_exact():
         a, b = least_recompute(small, budget), least_recompute(huge, budget * 2**62)
         assert (b.groups, b.options, b.peak_bytes, b.recompute_flops) == (
             a.groups, a.options, a.peak_bytes * 2**62, a.recompute_flops * 2**62)
+
+
+def random_layer(seed: int, n_units: int) -> LayerGraph:
+    """A random layer: units of one or two values, some values views of earlier ones,
+    random reads by backward, forced saves, outside inputs, random ops and costs."""
+    r = random.Random(seed)
+    values: list[Value] = []
+    units: list[Unit] = []
+    storages: list[int] = []
+    externals = (External(r.randint(10, 50), kept=False), External(r.randint(10, 50), kept=True))
+    for _ in range(n_units):
+        mine = []
+        for _ in range(2 if r.random() < 0.2 else 1):
+            if values and r.random() < 0.25:  # a view: shares an earlier value's storage
+                storage = values[r.randrange(len(values))].storage
+            else:
+                storages.append(r.randint(1, 100))
+                storage = len(storages) - 1
+            values.append(Value(storage, read_by_backward=r.random() < 0.5, must_save=r.random() < 0.1))
+            mine.append(len(values) - 1)
+        earlier = [v for v in range(len(values)) if v not in mine]
+        inputs = tuple(sorted(r.sample(earlier, min(len(earlier), r.randint(0, 2)))))
+        units.append(Unit(tuple(mine), inputs, tuple(e for e in range(2) if r.random() < 0.2), cost=r.randint(0, 50),
+                          random=r.random() < 0.15, recomputable=r.random() < 0.9))
+    return LayerGraph(tuple(units), tuple(values), tuple(storages), externals, rng_state_bytes=7)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_layer_front_matches_brute_force(seed):
+    """The integer programs give exactly the Pareto front of (saved bytes, recompute
+    cost) that trying every set of recomputed units gives; each point's figures are
+    those of its own recomputed units."""
+    g = random_layer(seed, 8 + seed % 4)
+    front = layer_front(g)
+    assert [(d.saved_bytes, d.recompute_cost) for d in front] == [
+        (d.saved_bytes, d.recompute_cost) for d in brute_force_front(g)]
+    for d in front:
+        assert evaluate(g, d.recomputed) == d
+    assert front[0].recompute_cost == 0  # recomputing nothing is always possible
 
 
 def test_negative_recompute_budget():
