@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch.fx as fx
 
 from .costs import is_random, tensor_val
 from .errors import InvalidSchedule
-from .regions import LayerStack
+from .regions import LayerStack, input_closure
 from .schedule import Schedule, none
 from .trace import JointGraph
 
@@ -154,23 +154,6 @@ class Partition:
         return next((s for s in self.saved if s.name == name), None)
 
 
-def _tensor_ancestors_in(
-    start: Iterable[fx.Node], allowed: set[fx.Node], stop: set[fx.Node]
-) -> set[fx.Node]:
-    """Closure of ``start`` over inputs that are in ``allowed`` and not in ``stop``."""
-    out: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        for a in n.all_input_nodes:
-            if a in allowed and a not in stop and a not in out:
-                todo.append(a)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class _Graph:
     """What partitioning reads of a joint graph and its layer stack."""
@@ -222,7 +205,8 @@ def _recompute_sets(g: _Graph, members: list[set[fx.Node]], forced: set[fx.Node]
         for gi, group_members in enumerate(members):
             needed = [v for v in group_members if v in g.backward_readers and v not in stop]
             # a multi-output op stays with the getitems that read it
-            r = _tensor_ancestors_in(needed, group_members | non_tensors, stop)
+            allowed = group_members | non_tensors
+            r = input_closure(needed, lambda a: a in allowed and a not in stop)
             recompute[gi] = r
             for v in r:
                 for a in v.all_input_nodes:
@@ -424,14 +408,7 @@ def _just_in_time_segments(g: _Graph, recompute: set[fx.Node], saved: set[fx.Nod
         wanted = [a for a in b.all_input_nodes if a in recompute and a not in done]
         if not wanted:
             continue
-        nodes: set[fx.Node] = set()
-        todo = list(wanted)
-        while todo:
-            v = todo.pop()
-            if v in nodes or v in done:
-                continue
-            nodes.add(v)
-            todo.extend(a for a in v.all_input_nodes if a in recompute)
+        nodes = input_closure(wanted, lambda a: a in recompute and a not in done)
         done |= nodes
         ordered = sorted(nodes, key=g.order.__getitem__)
         out.append(Segment(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -129,6 +129,20 @@ def _refuse_shared_children(path: str, container: torch.nn.Module) -> None:
         seen[id(child)] = name
 
 
+def input_closure(start: Iterable[fx.Node], follow: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """``start`` and, transitively, the inputs of its nodes that ``follow`` accepts
+    (default: every input): the ancestors of ``start`` within a region of the graph."""
+    out: set[fx.Node] = set()
+    todo = list(start)
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        todo.extend(a for a in n.all_input_nodes if a not in out and (follow is None or follow(a)))
+    return out
+
+
 def forward_node_names(gm: fx.GraphModule, num_fwd_outputs: int) -> list[str]:
     """Names of the joint graph's forward nodes, in graph order.
 
@@ -144,14 +158,7 @@ def forward_node_names(gm: fx.GraphModule, num_fwd_outputs: int) -> list[str]:
         n for n in nodes
         if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
     ]
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
+    seen = input_closure(roots)
     if any(n.name.startswith("tangents") for n in seen):
         raise AssertionError("a forward node depends on a tangent: the joint graph is malformed")
     for n in nodes:
