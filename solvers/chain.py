@@ -263,20 +263,21 @@ def _needs(c: ChainCosts, groups: _Groups) -> tuple[np.ndarray, np.ndarray, np.n
     the choice at i of the max of its own regions and what it saves plus the rest's
     need; exact, since every region's peak is ``M`` plus a constant."""
     L, x = c.num_layers, c.shared_checkpoint_bytes
-    need = tuple(np.full(L + 1, _INF) for _ in range(3))
+    kind = np.float64 if _peak_bound(c) < 2**53 else object  # floats hold such byte counts exactly
+    need = tuple(np.full(L + 1, _INF, dtype=kind) for _ in range(3))
     need[_NO_GROUPS][L] = c.head_bytes
     need[_AFTER_GROUP][L] = x + c.head_bytes
     for i in range(L - 1, -1, -1):
         opts = c.options(i)
-        gp = groups.peak[i].astype(np.float64)
-        gs = groups.saved[i].astype(np.float64)
+        gp = groups.peak[i].astype(kind)
+        gs = groups.saved[i].astype(kind)
         for fam in (_NO_GROUPS, _BEFORE_GROUP, _AFTER_GROUP):
             xf = 0 if fam == _NO_GROUPS else x
             xb = x if fam == _AFTER_GROUP else 0
             best = min(max(xf + o.forward_bytes, xb + o.backward_bytes, o.saved_bytes + need[fam][i + 1])
                        for o in opts)
             if fam != _NO_GROUPS:
-                best = min(best, float(np.maximum(gp + xb, gs + need[_AFTER_GROUP][i + 1:]).min()))
+                best = min(best, np.maximum(gp + xb, gs + need[_AFTER_GROUP][i + 1:]).min())
             need[fam][i] = best
     return need
 
