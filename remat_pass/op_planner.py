@@ -31,6 +31,7 @@ separately.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import statistics
 import time
@@ -100,7 +101,7 @@ def time_forward_ops(joint: JointGraph, stack: LayerStack, repeats: int = 3) -> 
                 if n.op == "placeholder":
                     env[n] = next(primal)
                 elif n.op == "get_attr":
-                    env[n] = getattr(joint.gm, n.target)
+                    env[n] = functools.reduce(getattr, n.target.split("."), joint.gm)
                 else:
                     args = fx.node.map_arg(n.args, env.__getitem__)
                     kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
