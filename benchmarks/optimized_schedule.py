@@ -7,11 +7,13 @@ predicted (liveness) and measured peak, the recompute FLOPs, and the best unifor
 block schedule that fits the same budget; then the solver's time against L.
 
 Run from the repository root:  python benchmarks/optimized_schedule.py
+(``--solver-only``: just the solver-time table).
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,23 +79,56 @@ def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> list[str]:
     return over
 
 
-def solve_times() -> None:
+def random_chain(L: int, seed: int = 0) -> ChainCosts:
+    """Random heterogeneous chain costs (every layer different), as in tests/test_solvers.py."""
+    r = random.Random(seed)
+
+    def v(lo: int, hi: int) -> tuple[int, ...]:
+        return tuple(r.randint(lo, hi) for _ in range(L))
+
+    return ChainCosts(v(50, 200), v(5, 20), v(0, 3), v(40, 150), v(30, 120), v(100, 300),
+                      v(100, 300), v(50, 200), v(10, 100), v(10, 100), 300, 200)
+
+
+def _cpu_ms(fn, repeats: int) -> tuple[float, object]:
+    """Median process CPU milliseconds of ``fn()`` over ``repeats`` runs (the machine is
+    shared: CPU time of this process, not wall time), and its result."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.process_time()
+        out = fn()
+        times.append(1000 * (time.process_time() - t0))
+    return statistics.median(times), out
+
+
+def solve_times(lengths: tuple[int, ...] = (12, 24, 48, 72, 96), old_up_to: int = 96) -> None:
+    """The chain solver's time against L on random heterogeneous chains (budget 300 +
+    40 L), next to the dynamic program without bounds it replaced (tests/chain_oracle.py),
+    both exact: the least recompute must agree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import chain_oracle
+
     rows = []
-    r = random.Random(0)
-    for L in (12, 24, 48):
-        def v(lo: int, hi: int) -> tuple[int, ...]:
-            return tuple(r.randint(lo, hi) for _ in range(L))
-        c = ChainCosts(v(50, 200), v(5, 20), v(0, 3), v(40, 150), v(30, 120), v(100, 300),
-                       v(100, 300), v(50, 200), v(10, 100), v(10, 100), 300, 200)
+    for L in lengths:
+        c = random_chain(L)
         budget = 300 + 40 * L
-        t0 = time.perf_counter()
-        sol = least_recompute(c, budget)
-        rows.append([str(L), str(budget), str(len(sol.groups)), f"{1000 * (time.perf_counter() - t0):.1f}"])
-    print("\n## solver time (random heterogeneous chain costs)\n")
-    print(text_table(["L", "budget", "groups chosen", "solve ms"], rows))
+        new_ms, sol = _cpu_ms(lambda: least_recompute(c, budget), 5)
+        row = [str(L), str(budget), str(sol.recompute_flops), str(len(sol.groups)), f"{new_ms:.1f}"]
+        if L <= old_up_to:
+            old_ms, old = _cpu_ms(lambda: chain_oracle.least_recompute(c, budget), 1)
+            row += [f"{old_ms:.0f}", "yes" if old.recompute_flops == sol.recompute_flops else "NO"]
+        else:
+            row += ["-", "-"]
+        rows.append(row)
+    print("\n## chain solver time (random heterogeneous chain costs; CPU ms of this process)\n")
+    print(text_table(["L", "budget", "least recompute", "groups", "solve ms (median of 5)",
+                      "unbounded DP ms", "same optimum"], rows))
 
 
 def main() -> None:
+    if "--solver-only" in sys.argv:
+        solve_times()
+        return
     model, inputs, loss_fn = gpt2(batch=4, seq=128, layers=8, hidden=128, heads=4, vocab=512, dropout=0.1)
     over = table("GPT-2 (transformers; 8 layers, hidden 128, seq 128, batch 4, vocab 512, dropout 0.1)",
                  model, inputs, loss_fn)

@@ -66,7 +66,7 @@ import torch.fx as fx
 from torch._guards import CompileContext
 
 from . import schedule as schedules
-from .backend_options import REPORT_DIR_ENV, BackendOptions, InvalidBackendOption
+from .backend_options import REPORT_DIR_ENV, BackendOptions, InvalidBackendOption, default_op_schedule
 from .calibration import Calibrator
 from .compiled_graphs import GraphReport, describe_graph_breaks, graph_markdown
 from .errors import LayerStackNotFound, UnsupportedGraph
@@ -81,7 +81,10 @@ from .graph_transforms import (
 from .inspection import dump_step
 from .liveness import MemoryReport, analyze
 from .memory_model import MemoryModel
+from .op_planner import CostModel, OpPlanner
+from .partition import Partition
 from .planner import Planner
+from .policies import recompute_modules, save_policy
 from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
 from .rewrite import rewrite
 from .trace import JointGraph
@@ -274,7 +277,9 @@ class RematBackend:
         stack = self._stack_for(joint_graph, info)
         devices = {v.device.type for v in joint_graph.primal_values if isinstance(v, torch.Tensor)}
         allocator = "cuda" if "cuda" in devices else "cpu"
-        if self.options.schedule == "optimized" and stack.num_layers:
+        if self.options.op_level and stack.num_layers:
+            sched: schedules.Schedule | Partition = self._op_level(joint_graph, stack, allocator, info)
+        elif self.options.schedule == "optimized" and stack.num_layers:
             sched = self._optimized(joint_graph, stack, allocator, info)
         else:
             sched = self.options.make_schedule(stack.num_layers)
@@ -352,6 +357,35 @@ class RematBackend:
             self._calibrator = Calibrator()
         return self._calibrator.memory_model([step], allocator)
 
+    def _op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, info: CompileInfo) -> Partition:
+        """The op-level Partition of this graph: the op-level optimum under
+        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only), or the
+        recompute modules / save policy in the layers the schedule stores.
+
+        Raises:
+            InfeasibleBudget: the budget is below the graph's least feasible peak.
+            UnsupportedGraph: the op-level optimum of a graph with symbolic sizes.
+            InvalidSchedule: a module kind the graph's layers do not have, or a name
+                of a save policy that is not in the graph.
+        """
+        o = self.options
+        if o.schedule == "optimized":
+            if any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes):
+                raise UnsupportedGraph(
+                    f"graph {info.graph_id}: the op-level optimum solves on concrete sizes and this graph's "
+                    "are symbolic; compile with dynamic=False (torch.compile(..., dynamic=False))")
+
+            def predict(p: Partition) -> MemoryReport:
+                step = concrete_step(rewrite(joint, stack, p))[0]
+                return analyze(step, memory=self._memory_model(step, allocator))
+
+            planner = OpPlanner(joint, stack, predict, CostModel(o.flops_per_byte), allocator)
+            return planner.plan(int(o.budget_bytes)).partition
+        groups = o.make_schedule(stack.num_layers)
+        if o.recompute_modules:
+            return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups)
+        return save_policy(joint, stack, o.policy, o.policy_names, groups)
+
     def _layer_stack(self, joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> LayerStack:
         try:
             path, children = find_layer_stack_in_graph(joint, self.options.layers)
@@ -404,7 +438,7 @@ class RematBackend:
 
 
 def backend(
-    schedule: str = "uniform",
+    schedule: str | None = None,
     recompute_num_layers: int | None = 4,
     budget_bytes: int | None = None,
     compiler: str = "eager",
@@ -413,12 +447,20 @@ def backend(
     *,
     calibrate: bool = True,
     num_layers: int | None = None,
+    granularity: str = "layer",
+    recompute_modules: Sequence[str] = (),
+    policy: str | None = None,
+    policy_names: Sequence[str] = (),
+    module_names: dict[str, Sequence[str]] | None = None,
+    flops_per_byte: int = 8,
 ) -> RematBackend:
     """A torch.compile backend that recomputes layers by a Megatron-LM schedule.
 
     Args:
         schedule: ``"none"``, ``"uniform"`` (``--recompute-method uniform``) or
-            ``"block"`` (``--recompute-method block``), or ``"optimized"``.
+            ``"block"`` (``--recompute-method block``), or ``"optimized"``. Default:
+            ``"uniform"``; with ``granularity="op"``, ``"optimized"`` when a budget is
+            given, else ``"none"``.
         recompute_num_layers: K (uniform, 1..L) or N (block, 0..L), as
             ``--recompute-num-layers``; L is checked per compiled graph.
         budget_bytes: with ``schedule="optimized"``, the peak activation bytes allowed
@@ -435,6 +477,14 @@ def backend(
             under ``~/.cache/remat-pass``); False: the ATen formula table only.
         num_layers: the old name of ``recompute_num_layers`` (deprecated: it is K or N,
             not the number of layers L).
+        granularity: ``"layer"`` or ``"op"`` (see ``BackendOptions``): op-level
+            partitions, the optimum under ``budget_bytes``, or
+            ``recompute_modules=["core_attn"]`` (Megatron-LM's selective recompute),
+            or ``policy="dots_saveable"`` (JAX's save policies; ``policy_names`` for
+            the ``*_names`` ones), in the layers the schedule stores.
+        module_names: ``{kind: module paths inside a layer}`` for module kinds that
+            are not recognised.
+        flops_per_byte: the op-level cost model's machine balance.
 
     Returns:
         A RematBackend; its ``reports`` fill as graphs compile (on the first call).
@@ -457,6 +507,8 @@ def backend(
         warnings.warn("remat_pass.backend(num_layers=) is deprecated (it is K or N, not the number of layers L); "
                       "use recompute_num_layers=", DeprecationWarning, stacklevel=2)
         recompute_num_layers = num_layers
+    if schedule is None:
+        schedule = default_op_schedule(budget_bytes) if granularity == "op" else "uniform"
     return RematBackend(BackendOptions(
         schedule=schedule,
         recompute_num_layers=recompute_num_layers,
@@ -465,6 +517,12 @@ def backend(
         layers=layers,
         report_dir=None if report_dir is None else str(report_dir),
         calibrate=calibrate,
+        granularity=granularity,
+        recompute_modules=tuple(recompute_modules),
+        policy=policy,
+        policy_names=tuple(policy_names),
+        module_names=tuple((k, tuple(v)) for k, v in (module_names or {}).items()),
+        flops_per_byte=flops_per_byte,
     ))
 
 

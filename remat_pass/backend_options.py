@@ -15,10 +15,13 @@ from typing import Any
 
 from . import schedule as schedules
 from .errors import InvalidOption, InvalidSchedule
+from .policies import KINDS, POLICIES
 
 SCHEDULES = ("none", "uniform", "block", "optimized")
+GRANULARITIES = ("layer", "op")
 COMPILERS = ("eager", "inductor")
-OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir", "calibrate")
+OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir", "calibrate",
+               "granularity", "recompute_modules", "policy", "policy_names", "module_names", "flops_per_byte")
 DEPRECATED_KEYS = {"num_layers": "recompute_num_layers"}
 REPORT_DIR_ENV = "REMAT_PASS_REPORT_DIR"
 
@@ -51,10 +54,20 @@ class BackendOptions:
         calibrate: calibrate op scratch on this CPU for the predicted peaks (the
             ``optimized`` budget holds with it; ``calibration.Calibrator``, cached under
             ``~/.cache/remat-pass``); False: the formula table only.
+        granularity: ``"layer"`` (whole layers) or ``"op"``: with ``optimized``, the
+            op-level optimum under ``budget_bytes`` (``op_planner.OpPlanner``); else
+            ``recompute_modules`` or ``policy`` in the layers the schedule stores.
+        recompute_modules: Megatron-Core module kinds to recompute (``policies.KINDS``;
+            ``("core_attn",)`` is Megatron-LM's selective recompute).
+        policy: a JAX save policy (``policies.POLICIES``); ``policy_names`` its names.
+        module_names: ``{kind: module paths inside a layer}`` for kinds not recognised.
+        flops_per_byte: the op-level cost model's machine balance (``CostModel``).
 
     Raises:
         InvalidSchedule: unknown schedule, K / N not an integer in range, a budget
-            without ``optimized``, ``optimized`` without a positive integer budget.
+            without ``optimized``, ``optimized`` without a positive integer budget, an
+            unknown granularity, module kind or policy, op-level options with
+            ``granularity="layer"``, or not exactly one op-level choice with ``"op"``.
         InvalidBackendOption: unknown compiler, or ``layers`` / ``report_dir`` of the
             wrong type.
     """
@@ -66,8 +79,44 @@ class BackendOptions:
     layers: str | None = None
     report_dir: str | None = None
     calibrate: bool = True
+    granularity: str = "layer"
+    recompute_modules: tuple[str, ...] = ()
+    policy: str | None = None
+    policy_names: tuple[str, ...] = ()
+    module_names: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    flops_per_byte: int = 8
 
     def __post_init__(self) -> None:
+        # lists and dicts from torch.compile(options=...) become tuples (hashable)
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules or ()))
+        object.__setattr__(self, "policy_names", tuple(self.policy_names or ()))
+        names = self.module_names.items() if isinstance(self.module_names, dict) else (self.module_names or ())
+        object.__setattr__(self, "module_names", tuple((k, tuple(v)) for k, v in names))
+        self._check_schedule()
+        self._check_granularity()
+
+    def _check_granularity(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise InvalidSchedule(f"granularity={self.granularity!r} is not one of {', '.join(GRANULARITIES)}")
+        op_options = [k for k in ("recompute_modules", "policy", "policy_names", "module_names") if getattr(self, k)]
+        if self.granularity == "layer":
+            if op_options:
+                verb = "needs" if len(op_options) == 1 else "need"
+                raise InvalidSchedule(f"{', '.join(op_options)} {verb} granularity='op' (granularity={self.granularity!r})")
+            return
+        bad = [k for k in self.recompute_modules + tuple(k for k, _ in self.module_names) if k not in KINDS]
+        if bad:
+            raise InvalidSchedule(f"module kind(s) {bad} are not recompute modules; the kinds are {', '.join(KINDS)}")
+        if self.policy is not None and self.policy not in POLICIES:
+            raise InvalidSchedule(f"policy={self.policy!r} does not exist; the policies are {', '.join(POLICIES)}")
+        choices = [bool(self.recompute_modules), self.policy is not None, self.schedule == "optimized"]
+        if sum(choices) != 1:
+            raise InvalidSchedule(
+                "granularity='op' needs exactly one of: recompute_modules=[...] or policy='...' (with schedule "
+                "none, uniform or block for the layers recomputed whole), or schedule='optimized' with "
+                "budget_bytes (the op-level optimum)")
+
+    def _check_schedule(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InvalidSchedule(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         k = self.recompute_num_layers
@@ -122,7 +171,14 @@ class BackendOptions:
             raise InvalidBackendOption(
                 f"unknown remat backend option(s) {unknown}; the options are {', '.join(OPTION_KEYS)}"
             )
+        if options.get("granularity") == "op" and "schedule" not in options:
+            options["schedule"] = default_op_schedule(options.get("budget_bytes"))
         return cls(**options)
+
+    @property
+    def op_level(self) -> bool:
+        """Whether the backend builds op-level partitions."""
+        return self.granularity == "op"
 
     def make_schedule(self, num_layers: int) -> schedules.Schedule:
         """The Schedule for a stack of ``num_layers`` layers (``none`` for
@@ -134,3 +190,9 @@ class BackendOptions:
         if num_layers == 0 or self.schedule in ("none", "optimized"):
             return schedules.none(num_layers)
         return schedules.make(self.schedule, self.recompute_num_layers, num_layers)
+
+
+def default_op_schedule(budget_bytes: int | None) -> str:
+    """The schedule of ``granularity="op"`` when none is named: ``optimized`` (the
+    op-level optimum) with a budget, else ``none`` (the policy in every layer)."""
+    return "optimized" if budget_bytes is not None else "none"

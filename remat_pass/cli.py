@@ -6,7 +6,13 @@ Subcommands:
     report  liveness report: Markdown, versioned JSON, PNG timeline.
     check   CI gate: exit 1 when the predicted peak exceeds a budget or regresses.
     model   symbolic memory model: peak formulas in batch / seq.
-    plan    optimized schedule under a peak budget; --max-batch: largest batch.
+    plan    optimized schedule under a peak budget (--granularity layer | op);
+            --max-batch: largest batch.
+
+Op-level policies (``sweep``): ``--selective`` (Megatron-LM
+``--recompute-granularity selective``), ``--recompute-modules core_attn,mlp``
+(Megatron-Core's names), ``--policy dots_saveable`` (JAX's names), with
+``--module-kind KIND=PATH`` naming modules that are not recognised.
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
 shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
@@ -23,18 +29,23 @@ from pathlib import Path
 from typing import Sequence
 
 from . import schedule as schedules
-from .errors import InfeasibleBudget, RematError
+from .errors import InfeasibleBudget, InvalidSchedule, RematError
 from .calibration import CACHE_ENV, CalibrationOptions
 from .formatting import fmt_bytes, mib, parse_bytes, text_table
 from .gate import gate
 from .inspection import describe_step, dump_step, load_dump, render
 from .measure import measured_step_timeline
 from .models import build
+from .op_planner import CostModel, OpPlanner
+from .partition import Partition
 from .planner import Planner, max_batch_rows
+from .policies import KINDS, POLICIES, recompute_modules, save_policy
 from .plot import plot_timeline
 from .regions import LayerStack
 from .report import (
     SWEEP_COLUMNS,
+    op_plan_json,
+    op_plan_text,
     plan_json,
     plan_text,
     read_reports,
@@ -47,7 +58,7 @@ from .report import (
     write_json,
     write_report,
 )
-from .sweep import Session, sweep
+from .sweep import ScheduleResult, Session, sweep
 from .symbolic import default_symbols, trace_symbolic
 
 DEFAULT_MODEL = "remat_pass.models:gpt2"
@@ -115,9 +126,84 @@ def _stacks_text(stack: LayerStack) -> str:
     return f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}"
 
 
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """Add the op-level policy options (selective recompute, recompute modules, save policies)."""
+    g = p.add_argument_group("op-level policy")
+    g.add_argument("--selective", action="store_true",
+                   help="Megatron-LM --recompute-granularity selective: recompute core attention")
+    g.add_argument("--recompute-modules", metavar="KINDS",
+                   help="Megatron-Core --recompute-modules, comma-separated: core_attn, mlp, layernorm, moe_act, "
+                        "moe, shared_experts")
+    g.add_argument("--policy", metavar="NAME",
+                   help="a JAX save policy: dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, "
+                        "everything_saveable, save_only_these_names, save_anything_except_these_names")
+    g.add_argument("--policy-names", metavar="NAMES",
+                   help="comma-separated node names or module paths inside a layer, for the *_names policies")
+    g.add_argument("--module-kind", action="append", metavar="KIND=PATH", default=[],
+                   help="name the modules of a kind (paths inside a layer, fnmatch patterns); repeatable")
+
+
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def op_partition(args: argparse.Namespace, session: Session,
+                 schedule: schedules.Schedule | None = None) -> Partition | None:
+    """The op-level Partition the policy options ask for (None when none is given).
+
+    Raises:
+        ValueError: more than one policy option, or a --module-kind without ``=``.
+        InvalidSchedule: an unknown kind or policy, or a kind the model does not have.
+    """
+    chosen = [o for o in ("selective", "recompute_modules", "policy") if getattr(args, o, None)]
+    if len(chosen) > 1:
+        raise ValueError("give one of --selective, --recompute-modules, --policy")
+    names: dict[str, list[str]] = {}
+    for item in getattr(args, "module_kind", []) or []:
+        kind, sep, path = item.partition("=")
+        if not sep or not kind or not path:
+            raise ValueError(f"--module-kind {item!r}: expected KIND=PATH, e.g. mlp=ffn")
+        names.setdefault(kind, []).append(path)
+    if not chosen:
+        if getattr(args, "policy_names", None):
+            raise ValueError("--policy-names goes with --policy save_only_these_names or "
+                             "save_anything_except_these_names")
+        return None
+    if args.selective or args.recompute_modules:
+        kinds = ["core_attn"] if args.selective else _split(args.recompute_modules)
+        return recompute_modules(session.joint, session.stack, kinds, names, schedule)
+    return save_policy(session.joint, session.stack, args.policy, _split(args.policy_names), schedule)
+
+
+def check_policy_names(args: argparse.Namespace) -> None:
+    """Refuse unknown module kinds and policies before tracing (the names alone).
+
+    Raises:
+        ValueError: more than one of --selective, --recompute-modules, --policy.
+        InvalidSchedule: a kind outside ``policies.KINDS`` or a policy outside
+            ``policies.POLICIES`` (the message lists them).
+    """
+    if sum(bool(getattr(args, o, None)) for o in ("selective", "recompute_modules", "policy")) > 1:
+        raise ValueError("give one of --selective, --recompute-modules, --policy")
+    kinds = _split(args.recompute_modules) + [k.partition("=")[0] for k in args.module_kind]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise InvalidSchedule(f"module kind(s) {bad} are not recompute modules; the kinds are {', '.join(KINDS)}")
+    if args.policy and args.policy not in POLICIES:
+        raise InvalidSchedule(f"save policy {args.policy!r} does not exist; the policies are {', '.join(POLICIES)}")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Run every Megatron setting; print the table, write --json."""
+    """Run every Megatron setting (or an op-level policy with block); print the table,
+    write --json."""
+    check_policy_names(args)
     session = load_session(args)
+    per_stack = session.stack.layers_per_stack
+    todo: list = list(schedules.megatron_schedules(per_stack))
+    policy = op_partition(args, session)
+    if policy is not None:  # the policy alone, then with block(N) (uniform leaves no stored layer)
+        todo = [schedules.none(per_stack), policy] + [op_partition(args, session, schedules.block(n, per_stack))
+                                                       for n in range(1, min(per_stack))]
 
     def progress(i: int, n: int, s, r) -> None:  # noqa: ANN001
         peaks = (f"predicted {mib(r.predicted_peak_bytes):>8s} MiB  measured {mib(r.measured_peak_bytes):>8s} MiB"
@@ -125,7 +211,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"[{i:2d}/{n}] {s.provenance:14s} {peaks}  grads {r.grads_text()}  ({r.measure_time_s:.1f}s)",
               file=sys.stderr, flush=True)
 
-    results = sweep(session, progress=progress)
+    results = sweep(session, todo, progress=progress)
     calibration_note(session)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
     noisy = [r for r in results if r.grads_within_run_to_run]
@@ -365,6 +451,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             write_json(args.json, {"budget_bytes": budget, "rows": rows})
         return EXIT_OK
     session = load_session(args)
+    if args.granularity == "op":
+        return _plan_op(args, session, budget)
     t0 = time.perf_counter()
     planner = Planner(session.joint, session.stack, session.report)
     try:
@@ -383,17 +471,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, plan_json(plan, result))
         print(f"wrote {args.json}", file=sys.stderr)
+    return _plan_outcome(result, budget, plan.schedule.provenance, plan.predicted_peak_bytes)
+
+
+def _plan_outcome(result: ScheduleResult, budget: int, provenance: str, predicted_peak_bytes: int) -> int:
+    """EXIT_OK, or EXIT_FAILED saying why: the plan's gradients differ from the
+    un-rewritten step, or its measured peak exceeds the budget."""
     if not result.grads_match:
-        print(f"remat-pass plan: error: the gradients of {plan.schedule.provenance} differ from the "
+        print(f"remat-pass plan: error: the gradients of {provenance} differ from the "
               "un-rewritten step", file=sys.stderr)
         return EXIT_FAILED
     if result.measured_peak_bytes > budget:
         print(f"remat-pass plan: error: the measured peak {result.measured_peak_bytes} bytes "
               f"({fmt_bytes(result.measured_peak_bytes)}) exceeds the budget {budget} bytes ({fmt_bytes(budget)}) "
-              f"by {result.measured_peak_bytes - budget} bytes; predicted {plan.predicted_peak_bytes} bytes",
+              f"by {result.measured_peak_bytes - budget} bytes; predicted {predicted_peak_bytes} bytes",
               file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _plan_op(args: argparse.Namespace, session: Session, budget: int) -> int:
+    """``plan --granularity op``: the op-level optimum under the budget, measured."""
+    t0 = time.perf_counter()
+    planner = OpPlanner(session.joint, session.stack, session.report,
+                        CostModel(args.flops_per_byte, timed=args.timed_costs))
+    try:
+        plan = planner.plan(budget)
+    except InfeasibleBudget as e:
+        if args.json:
+            write_json(args.json, {"budget_bytes": budget, "granularity": "op", "partition": None, "error": str(e),
+                                   "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
+                                   "unconstrained_peak_bytes": planner.unconstrained_peak_bytes})
+        raise
+    result = session.evaluate(plan.partition)
+    print(op_plan_text(plan, result, planner, time.perf_counter() - t0))
+    if args.json:
+        write_json(args.json, op_plan_json(plan, result))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return _plan_outcome(result, budget, plan.partition.provenance, plan.predicted_peak_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("sweep", help="predicted vs measured peak for none, uniform K=1..L, block N=0..L")
     add_model_args(p)
+    add_policy_args(p)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("inspect", help="the rewritten forward/backward graphs, saved activations, recompute segments")
@@ -446,6 +562,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True, metavar="SIZE", help="peak budget: bytes or 1.5GiB, 800MiB, 2GB")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest batch that fits the budget, per Megatron schedule")
+    p.add_argument("--granularity", choices=("layer", "op"), default="layer",
+                   help="layer: recompute whole layers in groups; op: also choose, per layer, which values to "
+                        "save (exact per layer kind, integer programs) (default: %(default)s)")
+    p.add_argument("--flops-per-byte", type=int, default=CostModel().flops_per_byte, metavar="N",
+                   help="op: roofline machine balance, a recomputed op costs max(FLOPs, N x bytes moved) "
+                        "(default: %(default)s)")
+    p.add_argument("--timed-costs", action="store_true", help="op: cost ops by timing them on this machine")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     p.set_defaults(func=cmd_plan)
     return parser

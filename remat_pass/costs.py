@@ -3,11 +3,13 @@
 Bytes are those of the untyped storage (``val.untyped_storage().nbytes()``), so a view
 costs nothing of its own. FLOPs are counted with PyTorch's flop formulas
 (``torch.utils.flop_counter.flop_registry``, the formulas ``FlopCounterMode`` uses):
-matmuls, convolutions and attention; elementwise ops count 0, as there.
+matmuls, convolutions and attention; elementwise ops count 0, as there. Bytes moved
+(``bytes_moved``) is what a memory-bound op reads and writes.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -134,19 +136,65 @@ def transient_bytes(node: fx.Node) -> int:
     return _inner_transient(node.target, node.args, out)
 
 
+# CPU attention kernels have no formula in torch.utils.flop_counter; their arguments
+# start like the CUDA flash kernels' (query, key, value / grad_out, query, key, value)
+_SAME_FLOPS_AS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def node_flops(node: fx.Node) -> Any:
     """FLOPs of one call_function node by PyTorch's flop formulas (0 when none applies).
 
-    Multiply-add counts 2 FLOPs, as in ``torch.utils.flop_counter``. An int for concrete
-    shapes, a SymInt under symbolic shapes.
+    Multiply-add counts 2 FLOPs, as in ``torch.utils.flop_counter``. The CPU flash
+    attention kernels, which have no formula there, count as the CUDA flash kernels
+    (``sdpa_flop_count``: the two batched matmuls, causal masking not discounted). An
+    int for concrete shapes, a SymInt under symbolic shapes.
     """
     if node.op != "call_function":
         return 0
     if getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state"):
         return 0
     packet = getattr(node.target, "overloadpacket", None)
+    packet = _SAME_FLOPS_AS.get(packet, packet)
     if packet not in flop_registry:
         return 0
     args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
     kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta.get("val"))
     return flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val"))
+
+
+_NO_DATA_MOVED = frozenset({"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expand", "detach",
+                            "alias", "unsqueeze", "squeeze", "slice", "select", "as_strided", "split",
+                            "split_with_sizes", "unbind", "lift_fresh_copy"})
+
+
+def bytes_moved(node: fx.Node) -> int:
+    """Bytes one call_function node reads and writes: its tensor inputs' and outputs'
+    element bytes (``numel * element_size``; 0 for views, which move nothing, and
+    for ``getitem``). The cost of a memory-bound op (pointwise, reductions, norms,
+    copies) on a roofline: its time is bytes moved / memory bandwidth. An int (a
+    symbolic size counts 0: op-level planning is for concrete shapes)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0
+    target, inputs, out = node.target, list(node.all_input_nodes), node.meta.get("val")
+    wrapper = getattr(target, "__name__", "")
+    if wrapper == "run_with_rng_state":  # (state, op, *args): the op's traffic
+        target, inputs = node.args[1], [a for a in node.all_input_nodes if a is not node.args[0]]
+    elif wrapper == "run_and_save_rng_state":  # (op, *args) -> (state, output)
+        target, out = node.args[0], out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else out
+    packet = getattr(target, "overloadpacket", None)
+    if getattr(packet, "__name__", "") in _NO_DATA_MOVED:
+        return 0
+    return sum(_element_bytes(a.meta.get("val")) for a in inputs) + _element_bytes(out)
+
+
+def _element_bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        n = val.numel()
+        return n * val.element_size() if isinstance(n, int) else 0
+    if isinstance(val, (tuple, list)):
+        return sum(_element_bytes(v) for v in val)
+    return 0

@@ -3,7 +3,9 @@ which are recomputed in which segment, and the order segments run in backward.
 
 ``partition(joint, stack, schedule)`` turns a layer-level Schedule into a Partition;
 ``rewrite.rewrite`` builds the forward and backward graphs from a Partition only, so a
-schedule that is not layer-level (an op-level policy) produces a Partition directly.
+schedule that is not layer-level (an op-level policy) produces a Partition directly:
+``op_level_partition(joint, stack, choice, schedule)`` (see ``OpLevelChoice`` and the
+op-level rules at the end of this docstring).
 
 For every recomputed group g (layers ``schedule.groups[g]``), Megatron-LM's full
 recompute (``--recompute-granularity full``; ``CheckpointFunction`` in
@@ -23,11 +25,26 @@ recompute (``--recompute-granularity full``; ``CheckpointFunction`` in
 
 Everything outside the groups (stored layers, outer) follows ``none``: every forward
 value backward reads is saved, as AOTAutograd's ``default_partition`` does.
+
+Op-level (``op_level_partition``): in the stored layers, a policy names the values it
+does not keep (``OpLevelChoice.recomputable``). A value backward reads is recomputed
+when the policy does not keep it, unless a backward node outside its layer reads it or
+the policy must save it (``must_save``); its recompute runs its ancestors back to values
+that are saved, kept by the policy (they become saved: JAX's "saveable" semantics,
+``jax.checkpoint`` policies), primals, or lie outside its layer (saved as checkpoints).
+Each recomputed value is rebuilt just in time: a segment runs right before the first
+backward node that reads a value not rebuilt yet, and rebuilds it with the ancestors not
+rebuilt yet, so a recomputed value lives from its first backward use to its last (as
+PyTorch's selective activation checkpointing and Megatron-LM's
+``--recompute-granularity selective``, which recompute core attention inside its own
+backward). Random ops replay the forward's RNG state. Layers in the schedule's groups
+are recomputed whole, as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Mapping
 
 import torch.fx as fx
@@ -35,7 +52,7 @@ import torch.fx as fx
 from .costs import is_random, tensor_val
 from .errors import InvalidSchedule
 from .regions import LayerStack, input_closure
-from .schedule import Schedule
+from .schedule import Schedule, none
 from .trace import JointGraph
 
 SAVE_REASONS = (
@@ -47,6 +64,8 @@ SAVE_REASONS = (
     "saved by policy",         # an op-level policy chose to save it
     "random op",               # a random op that is not recomputed
     "mutated input",           # read after an in-place update of an input
+    "read outside its layer",  # an op-level layer's value read by another layer's backward
+    "read outside its module",  # a recomputed module's value read by backward outside it
 )
 
 
@@ -102,13 +121,17 @@ class Partition:
             replayed random ops are not listed: ``rewrite`` adds one per
             ``Segment.rng_replayed``).
         segments: the recompute segments in the order they run in backward.
-        schedule: the layer-level Schedule it came from (None for an op-level policy).
+        schedule: the layer-level Schedule it came from: its groups are recomputed whole
+            (None: no layer-level schedule).
+        policy: the op-level policy of the stored layers (``dots_saveable``,
+            ``selective(core_attn)``, ...); None for a layer-level partition.
     """
 
     provenance: str
     saved: tuple[SavedValue, ...]
     segments: tuple[Segment, ...]
     schedule: Schedule | None = None
+    policy: str | None = None
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -137,6 +160,7 @@ class _Graph:
 
     nodes: list[fx.Node]
     order: dict[fx.Node, int]
+    forward: set[fx.Node]            # forward nodes, primals included
     forward_computed: set[fx.Node]   # forward nodes that are not primals
     backward_readers: dict[fx.Node, list[fx.Node]]  # forward value -> backward nodes reading it
     layer: Mapping[str, int | None]
@@ -155,7 +179,7 @@ def _read_graph(joint: JointGraph, stack: LayerStack) -> _Graph:
         for a in b.all_input_nodes:
             if a in forward_computed:
                 readers.setdefault(a, []).append(b)
-    return _Graph(nodes, {n: i for i, n in enumerate(nodes)}, forward_computed, readers, stack.layer_of)
+    return _Graph(nodes, {n: i for i, n in enumerate(nodes)}, forward, forward_computed, readers, stack.layer_of)
 
 
 def _outside_reader(g: _Graph, value: fx.Node, group: tuple[int, ...]) -> str | None:
@@ -276,3 +300,130 @@ def _saved_value(v: fx.Node, forced: dict[fx.Node, str], checkpoints: set[fx.Nod
     if v in checkpoints:
         return SavedValue(v.name, "checkpoint")
     return SavedValue(v.name, "outer" if layer[v.name] is None else "stored layer")
+
+
+# --------------------------------------------------------------------------- op-level
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLevelChoice:
+    """What an op-level policy decides for the stored layers of a step.
+
+    Attributes:
+        name: the policy, e.g. ``dots_saveable`` (becomes ``Partition.policy``).
+        recomputable: joint forward nodes the policy does not keep; recomputed when
+            backward reads them (a node of a multi-output op follows its op).
+        must_save: nodes saved whatever ``recomputable`` says, ``{name: (reason,
+            detail)}`` with a reason of ``SAVE_REASONS``.
+        kept_reason: the reason of the values the policy keeps (``saved by policy``,
+            ``user-saved``, ``stored layer``), and its detail.
+    """
+
+    name: str
+    recomputable: frozenset[str]
+    must_save: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    kept_reason: tuple[str, str] = ("saved by policy", "")
+
+
+def op_level_partition(joint: JointGraph, stack: LayerStack, choice: OpLevelChoice,
+                       schedule: Schedule | None = None) -> Partition:
+    """The Partition of an op-level policy in the stored layers of ``schedule``.
+
+    Args:
+        joint, stack: the traced step and its layer stack (``assign_layers``).
+        choice: the policy's decision (see ``OpLevelChoice`` and the module docstring).
+        schedule: the layer-level groups, recomputed whole (default: none, every layer
+            follows the policy).
+
+    Returns:
+        The Partition: saved values in graph order with reasons, the groups' segments
+        and the just-in-time segments of the op-level layers, in the order they run.
+
+    Raises:
+        InvalidSchedule: ``schedule`` is for another number of layers than the stack.
+
+    Example:
+        >>> from remat_pass.models import linear_chain
+        >>> from remat_pass.regions import assign_layers
+        >>> from remat_pass.trace import trace_joint
+        >>> joint = trace_joint(*linear_chain(batch=4, width=8, layers=3))
+        >>> stack = assign_layers(joint)
+        >>> p = op_level_partition(joint, stack, OpLevelChoice("nothing_saveable", frozenset(stack.forward_nodes)))
+        >>> [(s.name, s.reason) for s in p.saved], [(s.nodes, s.insert_before) for s in p.segments]
+        ([('addmm', 'read outside its layer'), ('addmm_1', 'read outside its layer')], [(('t_2',), 't_3'), (('t_1',), 't_7')])
+    """
+    base = partition(joint, stack, schedule or none(stack.layers_per_stack))
+    g = _read_graph(joint, stack)
+    by_name = {n.name: n for n in g.nodes}
+    grouped = {i for grp in base.schedule.groups for i in grp}
+    op_layers = {i for i in range(stack.num_layers) if i not in grouped}
+    in_op = {v for v in g.forward_computed if g.layer[v.name] in op_layers}
+    saved: dict[fx.Node, tuple[str, str]] = {}
+    for s_ in base.saved:  # outer values and the groups' saves stay
+        v = by_name[s_.name]
+        if v not in in_op or s_.reason == "checkpoint":
+            saved[v] = (s_.reason, s_.detail)
+    for name, why in choice.must_save.items():
+        if by_name.get(name) in in_op:
+            saved.setdefault(by_name[name], why)
+    for v in in_op:
+        if v in g.backward_readers and v not in saved:
+            why = _outside_reader(g, v, (g.layer[v.name],))
+            if why is not None:
+                saved[v] = ("read outside its layer", why.replace("outside the group", "outside the layer"))
+
+    def recomputable(v: fx.Node) -> bool:
+        owner = v.args[0] if v.target is operator.getitem and isinstance(v.args[0], fx.Node) else v
+        return owner.name in choice.recomputable or tensor_val(owner) is None and owner is v
+
+    recompute: set[fx.Node] = set()
+    todo = [v for v in in_op if v in g.backward_readers and v not in saved and recomputable(v)]
+    while todo:
+        v = todo.pop()
+        if v in recompute:
+            continue
+        recompute.add(v)
+        for a in v.all_input_nodes:
+            if a not in g.forward_computed or a in saved or a in recompute:
+                continue
+            if g.layer[a.name] != g.layer[v.name] or a not in in_op:
+                saved[a] = ("checkpoint", f"read by the recompute of {v.name} (layer {g.layer[v.name]})")
+            elif recomputable(a):
+                todo.append(a)
+            else:
+                saved[a] = choice.kept_reason
+    for v in in_op:  # the rest of what backward reads is kept
+        if v in g.backward_readers and v not in recompute and v not in saved:
+            saved[v] = choice.kept_reason
+    segments = list(base.segments) + _just_in_time_segments(g, recompute, set(saved), len(base.schedule.groups))
+    segments.sort(key=lambda seg: (g.order[by_name[seg.insert_before]], seg.group))
+    saved_values = tuple(SavedValue(v.name, *saved[v]) for v in sorted(saved, key=g.order.__getitem__))
+    policy = choice.name
+    provenance = policy if not grouped else f"{base.provenance} + {policy}"
+    return Partition(provenance, saved_values, tuple(segments), base.schedule, policy)
+
+
+def _just_in_time_segments(g: _Graph, recompute: set[fx.Node], saved: set[fx.Node], first_group: int
+                           ) -> list[Segment]:
+    """One segment before each backward node that reads a recomputed value not rebuilt
+    yet: that value and its recomputed ancestors not rebuilt yet, in graph order."""
+    done: set[fx.Node] = set()
+    out: list[Segment] = []
+    for b in g.nodes:
+        if b.op != "call_function" or b in g.forward:
+            continue
+        wanted = [a for a in b.all_input_nodes if a in recompute and a not in done]
+        if not wanted:
+            continue
+        nodes = input_closure(wanted, lambda a: a in recompute and a not in done)
+        done |= nodes
+        ordered = sorted(nodes, key=g.order.__getitem__)
+        out.append(Segment(
+            group=first_group + len(out),
+            layers=tuple(sorted({g.layer[v.name] for v in ordered if g.layer[v.name] is not None})),
+            nodes=tuple(v.name for v in ordered),
+            checkpoints=tuple(sorted({a.name for v in ordered for a in v.all_input_nodes if a in saved})),
+            insert_before=b.name,
+            rng_replayed=tuple(v.name for v in ordered if is_random(v)),
+        ))
+    return out

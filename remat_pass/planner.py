@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
-from solvers import CheckedPlan, least_feasible_checked, least_recompute_checked
+from solvers import CheckedPlan, Solution, least_feasible_checked, least_recompute_checked
 
 from . import schedule as schedules
 from .errors import InvalidSchedule
@@ -102,8 +102,8 @@ class Planner:
             self._reports[schedule] = self._predict(schedule)
         return self._reports[schedule]
 
-    def _peak_of(self, groups: tuple[tuple[int, ...], ...]) -> int:
-        return self.report(self._schedule(groups)).peak_bytes
+    def _peak_of(self, sol: Solution) -> int:
+        return self.report(self._schedule(sol.groups)).peak_bytes
 
     def _schedule(self, groups: tuple) -> Schedule:
         return schedules.optimized(groups, self.stack.layers_per_stack)

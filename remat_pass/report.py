@@ -24,6 +24,7 @@ from solvers import closed_forms
 from . import schedule as schedules
 from .formatting import fmt_bytes, markdown_table, mib, natural_key
 from .liveness import MemoryReport
+from .op_planner import OpPlan, OpPlanner
 from .planner import Plan
 from .rewrite import RewrittenStep
 from .schedule import describe_groups
@@ -114,9 +115,12 @@ def report_json(
     segments = forced = None
     if step is not None:
         s = step.schedule
-        sched.update(method=s.method, recompute_num_layers=s.recompute_num_layers, num_layers=s.num_layers,
-                     groups=[list(g) for g in s.groups],
-                     description=describe_groups(s.groups, s.num_layers))
+        if s is not None:
+            sched.update(method=s.method, recompute_num_layers=s.recompute_num_layers, num_layers=s.num_layers,
+                         groups=[list(g) for g in s.groups],
+                         description=describe_groups(s.groups, s.num_layers))
+        if step.partition.policy is not None:
+            sched["policy"] = step.partition.policy
         segments = [
             {"group": seg.group, "layers": list(seg.layers), "num_nodes": len(seg.nodes),
              "insert_before": seg.insert_before, "checkpoints": list(seg.checkpoints),
@@ -534,4 +538,67 @@ def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
         "measured_over_budget": result.measured_peak_bytes is not None and result.measured_peak_bytes > p.budget_bytes,
         "op_scratch_at_peak": (_plan_scratch(p) or {}).get("at_peak"),
         "peak_could_move_bytes": p.peak_could_move_bytes,
+    }
+
+
+def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total_s: float) -> str:
+    """What ``remat-pass plan --granularity op`` prints: the groups and each stored
+    layer's trade-off point, predicted and measured peak against the budget, recompute
+    FLOPs and bytes moved, gradients, and the solver's figures."""
+    p, b = plan, plan.budget_bytes
+    measured = result.measured_peak_bytes
+    L = planner.stack.num_layers
+    options = p.options or (0,) * L
+    inside = {i for g in p.groups for i in g}
+    per_layer = " ".join("G" if i in inside else str(options[i]) for i in range(L))
+    fronts = ", ".join(f"layers {list(k.layers)}: {len(f)} points" for k, f in zip(planner.kinds, planner.fronts))
+    lines = [
+        f"budget             {b} bytes ({fmt_bytes(b)})",
+        f"partition          {p.partition.provenance}",
+        f"  groups           {' '.join(str(list(g)) for g in p.groups) or 'none'}",
+        f"  per layer        {per_layer}  (G: in a group; k: k-th point of the layer's trade-off, 0: all saved)",
+        f"  saved values     {p.saved_nodes}; recomputed nodes {p.recomputed_nodes}",
+        f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
+        f"chain model {p.model_peak_bytes}",
+        (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
+         if measured is not None else "measured peak      - (not reported: the gradients differ)"),
+        f"recompute          {p.recompute_flops} FLOPs, {p.recompute_bytes_moved} bytes moved "
+        f"(cost {p.recompute_cost} in the cost model's unit)",
+        f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
+        f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)})",
+        f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
+        f"layer kinds        {fronts}",
+        f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; layer programs and "
+        f"calibration {planner.prepare_s:.2f} s; total {total_s:.1f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
+    """The ``remat-pass plan --granularity op --json`` document."""
+    p = plan
+    return {
+        "budget_bytes": p.budget_bytes,
+        "granularity": "op",
+        "partition": {
+            "provenance": p.partition.provenance,
+            "policy": p.partition.policy,
+            "groups": [list(g) for g in p.groups],
+            "options": list(p.options),
+            "saved": [s.name for s in p.partition.saved],
+            "recomputed": list(p.partition.recomputed_names),
+        },
+        "saved_nodes": p.saved_nodes,
+        "recomputed_nodes": p.recomputed_nodes,
+        "predicted_peak_bytes": p.predicted_peak_bytes,
+        "model_peak_bytes": p.model_peak_bytes,
+        "measured_peak_bytes": result.measured_peak_bytes,
+        "recompute_flops": p.recompute_flops,
+        "recompute_bytes_moved": p.recompute_bytes_moved,
+        "recompute_cost": p.recompute_cost,
+        "forward_flops": p.forward_flops,
+        "grads_equal": result.grads_equal,
+        "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
+        "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
+        "solve_time_s": p.solve_time_s,
     }

@@ -10,7 +10,8 @@ them under ``torch._prims.rng_prims.run_and_save_rng_state`` and the recompute u
 
 The Partition is checked against the graph first: a rewrite that would change
 gradients (a value backward reads that is neither saved nor recomputed before it, an
-in-place update, a random op whose state cannot be replayed) is refused.
+in-place update, a recomputed random op not listed for RNG replay, a random op whose
+state cannot be replayed) is refused.
 """
 
 from __future__ import annotations
@@ -125,6 +126,13 @@ def _check(joint: JointGraph, stack: LayerStack, p: Partition) -> None:
                     raise InvalidSchedule(
                         f"{p.provenance}: recomputing {node.format_node()} reads {a.name}, which is "
                         "neither a primal, saved, nor recomputed earlier in its segment")
+            if is_random(node) and name not in seg.rng_replayed:
+                raise InvalidSchedule(
+                    f"{p.provenance}: the segment before {seg.insert_before} recomputes the random op "
+                    f"{node.format_node()} without replaying its RNG state: it would draw new random "
+                    "numbers and change gradients. List it in Segment.rng_replayed (the rewrite then "
+                    "replays the forward's state) or save its outputs instead of recomputing them."
+                )
             if is_random(node) and not _devices(node) <= {"cpu", "cuda"}:
                 raise UnsupportedGraph(
                     f"random op {node.format_node()} runs on {sorted(_devices(node))}: its RNG "
@@ -159,8 +167,9 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
         the same values; random ops replay their RNG state).
 
     Raises:
-        InvalidSchedule: a Schedule for another number of layers, or a Partition that
-            leaves a value backward reads neither saved nor recomputed before it.
+        InvalidSchedule: a Schedule for another number of layers, a Partition that
+            leaves a value backward reads neither saved nor recomputed before it, or one
+            that recomputes a random op without replaying its RNG state.
         UnsupportedGraph: the joint graph mutates a value in place, or a random op in
             a segment runs on a device whose RNG state cannot be replayed.
     """

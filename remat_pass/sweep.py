@@ -25,6 +25,7 @@ import torch
 from . import schedule as schedules
 from .calibration import CalibrationOptions, Calibrator
 from .errors import GradientMismatch
+from .costs import bytes_moved
 from .liveness import MemoryReport, analyze
 from .memory_model import MemoryModel
 from .measure import (
@@ -34,6 +35,7 @@ from .measure import (
     measure_step,
     run_joint,
 )
+from .partition import Partition
 from .regions import LayerStack, assign_layers, find_layer_stacks
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule, megatron_schedules, recompute_fraction
@@ -76,6 +78,13 @@ class ScheduleResult:
         grads_within_run_to_run: not bitwise equal, but the un-rewritten step is not
             reproducible either and every gradient is within the difference observed
             between its own runs.
+        policy: the op-level policy of the stored layers (``Partition.policy``), None
+            for a layer-level schedule.
+        saved_nodes: how many forward values are saved for backward (RNG states not
+            counted).
+        recomputed_nodes: how many forward nodes backward recomputes.
+        recompute_bytes_moved: bytes the recomputed nodes read and write
+            (``costs.bytes_moved``; their FLOPs are ``recompute_flops``).
     """
 
     schedule: str
@@ -96,6 +105,10 @@ class ScheduleResult:
     max_grad_diff_vs_eager: float
     pass_time_s: float
     measure_time_s: float
+    policy: str | None = None
+    saved_nodes: int = 0
+    recomputed_nodes: int = 0
+    recompute_bytes_moved: int = 0
     max_grad_diff_vs_reference: float = 0.0
     run_to_run_grad_diff: float = 0.0
     grads_within_run_to_run: bool = False
@@ -240,12 +253,13 @@ class Session:
         return self._eager_param_grads
 
     def prepare(
-        self, schedule: Schedule, allocator: str = "cpu"
+        self, schedule: Schedule | Partition, allocator: str = "cpu"
     ) -> tuple[RewrittenStep, MemoryReport, float]:
         """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``.
 
-        The memory model is ``memory_model(step, allocator)``: calibrated on the CPU
-        at the current thread count (the seconds include calibrating new signatures).
+        ``schedule`` may be a Partition (an op-level policy). The memory model is
+        ``memory_model(step, allocator)``: calibrated on the CPU at the current thread
+        count (the seconds include calibrating new signatures).
         """
         t0 = time.perf_counter()
         step = rewrite(self.joint, self.stack, schedule)
@@ -263,15 +277,15 @@ class Session:
     def _on_cpu(self) -> bool:
         return all(v.device.type == "cpu" for v in self.joint.primal_values if isinstance(v, torch.Tensor))
 
-    def report(self, schedule: Schedule, allocator: str = "cpu") -> MemoryReport:
+    def report(self, schedule: Schedule | Partition, allocator: str = "cpu") -> MemoryReport:
         """The predicted MemoryReport of ``schedule`` (``prepare`` without the step)."""
         return self.prepare(schedule, allocator)[1]
 
-    def evaluate(self, schedule: Schedule, strict: bool = True) -> ScheduleResult:
+    def evaluate(self, schedule: Schedule | Partition, strict: bool = True) -> ScheduleResult:
         """Rewrite, predict, run and measure ``schedule``.
 
         Args:
-            schedule: the schedule.
+            schedule: the schedule, or a Partition (an op-level policy).
             strict: raise when gradients differ; with False the result carries
                 ``grads_equal=False`` and no peak figures (None).
 
@@ -292,10 +306,12 @@ class Session:
         if strict and not (equal or within):
             self.check_grads(schedule, m.grads)
         ok = equal or within
+        layer_level = step.schedule
+        recomputed = [n for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute"]
         return ScheduleResult(
-            schedule=schedule.method,
-            recompute_num_layers=schedule.recompute_num_layers,
-            provenance=schedule.provenance,
+            schedule=layer_level.method if layer_level is not None else "none",
+            recompute_num_layers=layer_level.recompute_num_layers if layer_level is not None else None,
+            provenance=step.provenance,
             predicted_peak_bytes=report.peak_bytes if ok else None,
             measured_peak_bytes=m.peak_bytes if ok else None,
             error_fraction=(report.peak_bytes - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0,
@@ -316,6 +332,10 @@ class Session:
             max_grad_diff_vs_reference=diff,
             run_to_run_grad_diff=noise,
             grads_within_run_to_run=within,
+            policy=step.partition.policy,
+            saved_nodes=len(step.partition.saved),
+            recomputed_nodes=len(step.partition.recomputed_names),
+            recompute_bytes_moved=sum(bytes_moved(n) for n in recomputed),
         )
 
     def _within_run_to_run(self, grads: list[Any]) -> tuple[bool, float, float]:
@@ -340,7 +360,7 @@ class Session:
             self._none_peak = self.prepare(schedules.none(self.stack.layers_per_stack))[1].peak_bytes
         return self._none_peak
 
-    def check_grads(self, schedule: Schedule, grads: list[Any]) -> None:
+    def check_grads(self, schedule: Schedule | Partition, grads: list[Any]) -> None:
         """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
 
         Raises:

@@ -419,9 +419,9 @@ class SymbolicModel:
         def above(polys: list[Poly], base: Poly) -> list[Poly]:
             return pareto_max(p - base for p in polys)
 
-        n_fw, n_bw, n_head, n_outer = _regions(none)
-        r_fw, r_bw, _, _ = _regions(u1)
-        _, l_bw, _, _ = _regions(uL)
+        n_fw, n_bw, n_head, n_outer = regions(none)
+        r_fw, r_bw, _, _ = regions(u1)
+        _, l_bw, _, _ = regions(uL)
         out["stored_forward_bytes"] = [above(n_fw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
         out["stored_backward_bytes"] = [above(n_bw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
         # outer values every group reads (a mask), saved once when any group exists
@@ -534,7 +534,7 @@ class SymbolicModel:
         return _bisect(fits, lo, hi)
 
 
-def _regions(prof: SymbolicStep) -> tuple[dict[int, list[Poly]], dict[int, list[Poly]], list[Poly], list[Poly]]:
+def regions(prof: SymbolicStep) -> tuple[dict[int, list[Poly]], dict[int, list[Poly]], list[Poly], list[Poly]]:
     """Live bytes of every step grouped by region: forward and backward per layer, the
     head (outer steps between the first forward layer step and the first backward one),
     and the rest of the outer region."""

@@ -15,6 +15,7 @@
 from .chain import (
     ChainCosts,
     Solution,
+    StoredOption,
     least_feasible_peak,
     least_peak,
     least_recompute,
@@ -31,6 +32,7 @@ __all__ = [
     "InvalidSchedule",
     "RematError",
     "Solution",
+    "StoredOption",
     "least_feasible_checked",
     "least_feasible_peak",
     "least_peak",

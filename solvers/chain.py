@@ -23,33 +23,67 @@ liveness (``remat_pass.symbolic.SymbolicModel.chain_costs``):
   values every group reads (an attention mask), saved once. They are live in every
   forward region, the head, and the backward of every layer above the lowest group
   (they die at the lowest group's recompute, before its backward).
+- Op-level options (``stored_options``): a stored layer may instead keep only part of
+  its activations and recompute the rest inside its own backward (a ``StoredOption``:
+  its saved bytes, forward and backward peaks above ``M(<j)``, and recompute cost).
+  Option 0 is the plain stored layer above, at no recompute.
 
-The peak is the largest of these. Recompute FLOPs add up per layer
-(``last_recompute_flops`` / ``member_recompute_flops``). Every quantity of the future
-of a prefix depends on the prefix only through ``M`` and the peak so far, so a dynamic
-program over the chain that keeps, at each layer boundary, the Pareto-optimal
-``(M, recompute FLOPs, peak)`` states is exact: it yields the Pareto front of (recompute
-FLOPs, peak) over all 2^(L-1)·... schedules. This is the dynamic program over the chain
-of Rotor (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains") and
+The peak is the largest of these. Recompute costs add up per layer
+(``last_recompute_flops`` / ``member_recompute_flops``; options carry their own, in the
+same unit). Every quantity of the future of a prefix depends on the prefix only through
+``M``, whether a group exists below, and the peak so far, so a dynamic program over the
+chain that keeps, at each layer boundary, the Pareto-optimal ``(M, recompute)`` states
+whose peak fits the budget is exact. This is the dynamic program over the chain of
+Rotor (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains") and
 Revolve (Griewank & Walther 2000), specialised to Megatron-LM's full recompute: a group
 is rebuilt once, from its saved input, right before its backward.
+
+Speed (``least_recompute``): the states of a boundary are kept sorted by ``M`` (recompute
+falling), so every transition (store layer i, or group i..q) is valid for a *prefix* of
+them: its peak and the budget bound ``M`` from above. A backward pass first computes,
+for every boundary, the least budget any completion needs above ``M`` (``_Needs``); a
+state that cannot be completed within the budget is never created. Transitions are
+numpy slices, and the group lengths tried from a boundary stop once even the smallest
+``M`` cannot fit the group's peak. Both prunings drop only states that no schedule
+within the budget passes through, so the answer is the same as without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from .errors import InvalidSchedule, infeasible
+
+
+class StoredOption(NamedTuple):
+    """One way to store a layer that recomputes part of it in its own backward.
+
+    Attributes:
+        saved_bytes: bytes it holds from forward into backward.
+        forward_bytes: its forward peak above ``M(<j)`` (bytes).
+        backward_bytes: its backward peak above ``M(<j)`` (bytes).
+        recompute_flops: its recompute cost (FLOPs, or the caller's integer cost unit).
+        name: a label (e.g. the op-level policy it came from).
+    """
+
+    saved_bytes: int
+    forward_bytes: int
+    backward_bytes: int
+    recompute_flops: int
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class ChainCosts:
     """Per-layer costs of a layer stack (bytes and FLOPs, plain ints; length L each).
 
-    See the module docstring for how each enters the peak. ``stack_starts``: the first
-    layer of each stack after the first when the chain is several stacks (no group
-    spans one of these boundaries); empty for one stack.
+    See the module docstring for how each enters the peak. ``stored_options[i]`` lists
+    layer i's op-level options (empty: none; the whole tuple may be empty).
+    ``stack_starts``: the first layer of each stack after the first when the chain is
+    several stacks (no group spans one of these boundaries); empty for one stack.
     """
 
     stored_saved_bytes: tuple[int, ...]
@@ -66,13 +100,16 @@ class ChainCosts:
     outer_bytes: int
     forward_flops: int = 0
     shared_checkpoint_bytes: int = 0
+    stored_options: tuple[tuple[StoredOption, ...], ...] = ()
     stack_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.stored_saved_bytes)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, tuple) and f.name != "stack_starts" and len(v) != n:
+            if f.name == "stack_starts" or (f.name == "stored_options" and not v):
+                continue
+            if isinstance(v, tuple) and len(v) != n:
                 raise ValueError(f"ChainCosts.{f.name} has {len(v)} entries for L={n} layers")
         if list(self.stack_starts) != sorted(set(self.stack_starts)) or any(
                 not 0 < s < n for s in self.stack_starts):
@@ -87,6 +124,13 @@ class ChainCosts:
         """L."""
         return len(self.stored_saved_bytes)
 
+    def options(self, layer: int) -> list[StoredOption]:
+        """Layer ``layer``'s ways to be stored: option 0 keeps everything (no recompute),
+        then ``stored_options[layer]``."""
+        plain = StoredOption(self.stored_saved_bytes[layer], self.stored_forward_bytes[layer],
+                             self.stored_backward_bytes[layer], 0, "stored")
+        return [plain, *(self.stored_options[layer] if self.stored_options else ())]
+
 
 @dataclasses.dataclass(frozen=True)
 class Solution:
@@ -95,12 +139,15 @@ class Solution:
     Attributes:
         groups: the recomputed groups (tuples of consecutive layers); others stored.
         peak_bytes: the model's peak.
-        recompute_flops: the model's recompute FLOPs.
+        recompute_flops: the model's recompute cost.
+        options: the option index (``ChainCosts.options``) of every layer, 0 for layers
+            in a group; empty when every stored layer uses option 0.
     """
 
     groups: tuple[tuple[int, ...], ...]
     peak_bytes: int
     recompute_flops: int
+    options: tuple[int, ...] = ()
 
 
 class _GroupTerms(NamedTuple):
@@ -113,29 +160,39 @@ class _GroupTerms(NamedTuple):
     forward_peak_above_bytes: int
 
 
+def _group_terms_from(c: ChainCosts, p: int) -> list[_GroupTerms]:
+    """The terms of groups p..q for q = p .. L-1, in one pass (index q - p)."""
+    out = []
+    member_saved = carry = flops = 0
+    fw = bw = 0
+    for q in range(p, c.num_layers):
+        fw = max(fw, member_saved + c.recomputed_forward_bytes[q])
+        bw = max(bw, carry + c.recomputed_backward_bytes[q])
+        out.append(_GroupTerms(max(fw, bw), member_saved + c.last_saved_bytes[q],
+                               flops + c.last_recompute_flops[q], fw))
+        member_saved += c.member_saved_bytes[q]
+        carry += c.carry_bytes[q]
+        flops += c.member_recompute_flops[q]
+    return out
+
+
 def _group_terms(c: ChainCosts, p: int, q: int) -> _GroupTerms:
     """The terms of group p..q (see ``_GroupTerms``)."""
-    member_saved = 0
-    carry = 0
-    bw = 0
-    fw = 0
-    for j in range(p, q + 1):
-        fw = max(fw, member_saved + c.recomputed_forward_bytes[j])
-        bw = max(bw, carry + c.recomputed_backward_bytes[j])
-        if j < q:
-            member_saved += c.member_saved_bytes[j]
-            carry += c.carry_bytes[j]
-    saved = member_saved + c.last_saved_bytes[q]
-    flops = sum(c.member_recompute_flops[p:q]) + c.last_recompute_flops[q]
-    return _GroupTerms(max(fw, bw), saved, flops, fw)
+    return _group_terms_from(c, p)[q - p]
 
 
-def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
-    """The chain model's peak and recompute FLOPs of one schedule.
+def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]], options: Sequence[int] = ()) -> Solution:
+    """The chain model's peak and recompute cost of one schedule.
+
+    Args:
+        c: the chain costs.
+        groups: the recomputed groups.
+        options: per layer, the index into ``c.options(layer)`` of a stored layer
+            (empty: 0 for every layer).
 
     Raises:
         InvalidSchedule: a group is not a run of consecutive layers in 0..L-1, groups
-            overlap, or a group spans two stacks.
+            overlap, a group spans two stacks, or an option index does not exist.
     """
     start_of: dict[int, int] = {}
     covered: set[int] = set()
@@ -149,6 +206,9 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
             raise InvalidSchedule(f"group {g} spans two layer stacks (stacks start at 0 {c.stack_starts})")
         covered |= set(g)
         start_of[g[0]] = g[-1]
+    opts = tuple(options) or (0,) * c.num_layers
+    if len(opts) != c.num_layers:
+        raise InvalidSchedule(f"{len(opts)} option indices for L={c.num_layers} layers")
     x = c.shared_checkpoint_bytes if start_of else 0
     m = peak = flops = 0
     seen_group = False
@@ -163,171 +223,378 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]]) -> Solution:
             seen_group = True
             i = q + 1
         else:
-            peak = max(peak, m + x + c.stored_forward_bytes[i],
-                       m + (x if seen_group else 0) + c.stored_backward_bytes[i])
-            m += c.stored_saved_bytes[i]
+            choices = c.options(i)
+            if not 0 <= opts[i] < len(choices):
+                raise InvalidSchedule(f"layer {i} has options 0..{len(choices) - 1}, not {opts[i]}")
+            o = choices[opts[i]]
+            peak = max(peak, m + x + o.forward_bytes, m + (x if seen_group else 0) + o.backward_bytes)
+            m += o.saved_bytes
+            flops += o.recompute_flops
             i += 1
     peak = max(peak, m + x + c.head_bytes, c.outer_bytes)
-    return Solution(tuple(tuple(g) for g in groups), peak, flops)
+    used = tuple(0 if l in covered else opts[l] for l in range(c.num_layers))
+    return Solution(tuple(tuple(g) for g in groups), peak, flops, used if any(used) else ())
 
 
-class _State(NamedTuple):
-    """A partial schedule of layers 0..i-1 in the dynamic program.
+# --------------------------------------------------------------------------- the solver
 
-    Attributes:
-        saved_bytes: M, bytes saved by those layers and still held in backward.
-        recompute_flops: recompute FLOPs of their groups.
-        peak_bytes: the model peak over their regions so far.
-        key: the choices as a tuple, a deterministic tie-break.
-        choices: the same choices as a linked list ``((p, q or None), rest)``.
-        has_group: whether one of them is a recomputed group.
+_INF = float("inf")
+
+# state families: 0 no group anywhere in the schedule; 1 groups allowed, none yet
+# below this boundary; 2 a group below this boundary
+_NO_GROUPS, _BEFORE_GROUP, _AFTER_GROUP = 0, 1, 2
+
+
+class _Groups(NamedTuple):
+    """Every group's terms as arrays: ``peak[p][q - p]`` (its peak above M(<p)),
+    ``saved[p][q - p]`` and ``cost[p][q - p]`` for the group p..q."""
+
+    peak: list[np.ndarray]
+    saved: list[np.ndarray]
+    cost: list[np.ndarray]
+
+
+def _groups(c: ChainCosts, dtype) -> _Groups:  # noqa: ANN001
+    """``_group_terms`` of every group inside one stack (p..q for q < ``stack_end(p)``),
+    with prefix sums and running maxima (numpy)."""
+    def prefix(values: tuple[int, ...]) -> np.ndarray:
+        return np.concatenate((np.zeros(1, dtype=dtype), np.cumsum(np.array(values, dtype=dtype))))
+
+    member, carry, flops = prefix(c.member_saved_bytes), prefix(c.carry_bytes), prefix(c.member_recompute_flops)
+    fw_at = member[:-1] + np.array(c.recomputed_forward_bytes, dtype=dtype)
+    bw_at = carry[:-1] + np.array(c.recomputed_backward_bytes, dtype=dtype)
+    last_saved = np.array(c.last_saved_bytes, dtype=dtype)
+    last_flops = np.array(c.last_recompute_flops, dtype=dtype)
+    out = _Groups([], [], [])
+    for p in range(c.num_layers):
+        end = c.stack_end(p)
+        fw = np.maximum.accumulate(fw_at[p:end]) - member[p]
+        bw = np.maximum.accumulate(bw_at[p:end]) - carry[p]
+        out.peak.append(np.maximum(fw, bw))
+        out.saved.append(member[p:end] - member[p] + last_saved[p:end])
+        out.cost.append(flops[p:end] - flops[p] + last_flops[p:end])
+    return out
+
+
+def _needs(c: ChainCosts, groups: _Groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per family, per boundary i: the least budget above ``M(<i)`` (bytes) that some
+    completion of layers i..L-1 needs (inf: none completes). A backward pass: a min over
+    the choice at i of the max of its own regions and what it saves plus the rest's
+    need; exact, since every region's peak is ``M`` plus a constant."""
+    L, x = c.num_layers, c.shared_checkpoint_bytes
+    kind = np.float64 if _peak_bound(c) < 2**53 else object  # floats hold such byte counts exactly
+    need = tuple(np.full(L + 1, _INF, dtype=kind) for _ in range(3))
+    need[_NO_GROUPS][L] = c.head_bytes
+    need[_AFTER_GROUP][L] = x + c.head_bytes
+    for i in range(L - 1, -1, -1):
+        opts = c.options(i)
+        gp = groups.peak[i].astype(kind)
+        gs = groups.saved[i].astype(kind)
+        for fam in (_NO_GROUPS, _BEFORE_GROUP, _AFTER_GROUP):
+            xf = 0 if fam == _NO_GROUPS else x
+            xb = x if fam == _AFTER_GROUP else 0
+            best = min(max(xf + o.forward_bytes, xb + o.backward_bytes, o.saved_bytes + need[fam][i + 1])
+                       for o in opts)
+            if fam != _NO_GROUPS:
+                best = min(best, np.maximum(gp + xb, gs + need[_AFTER_GROUP][i + 1:i + 1 + len(gp)]).min())
+            need[fam][i] = best
+    return need
+
+
+class _States(NamedTuple):
+    """States of one (boundary, family). State k came from state ``parent_index[k]`` of
+    the frontier named by ``sources[source[k]] = (boundary, family, choice)``: choice
+    ``q >= 0`` for the group i..q, ``-1 - o`` for layer i stored with option o. A
+    frontier (the result of ``_pareto``) is sorted by M ascending, recompute strictly
+    falling. A block of candidates may carry one source for all (an int)."""
+
+    saved: np.ndarray
+    recompute: np.ndarray
+    peak: np.ndarray
+    parent_index: np.ndarray
+    source: np.ndarray | int
+
+
+def _dtype(c: ChainCosts) -> type | np.dtype:
+    """int64 when every sum fits with room to spare, else exact Python ints."""
+    return np.int64 if _peak_bound(c) + sum(c.last_recompute_flops) + sum(c.member_recompute_flops) + sum(
+        o.recompute_flops for opts in c.stored_options for o in opts) < 2**60 else object
+
+
+def _pareto(blocks: list[_States], dtype) -> _States:  # noqa: ANN001
+    """Merge candidate states and keep those that no other state beats on both M and
+    recompute (among equal (M, recompute): the least peak, then the first).
+
+    Every block is sorted by M already (a shifted subset of a frontier), so a stable
+    sort on M merges runs; within a run of equal M only the least recompute can be kept.
+    """
+    saved, recompute, peak, index = (np.concatenate(parts) for parts in zip(*(b[:4] for b in blocks)))
+    source = np.concatenate([np.full(len(b.saved), b.source, dtype=np.int64) if isinstance(b.source, int)
+                             else b.source for b in blocks])
+    order = np.argsort(saved, kind="stable")
+    m, f, p = saved[order], recompute[order], peak[order]
+    starts = np.flatnonzero(np.concatenate(([True], m[1:] != m[:-1])))
+    lengths = np.diff(np.append(starts, len(m)))
+    run_best = np.minimum.reduceat(f, starts)
+    best_below = np.minimum.accumulate(run_best)
+    useful = np.ones(len(starts), dtype=bool)  # the run's best beats every smaller M
+    useful[1:] = run_best[1:] < best_below[:-1]
+    candidate = (f == np.repeat(run_best, lengths)) & np.repeat(useful, lengths)
+    kept = np.flatnonzero(candidate)
+    if len(kept) != int(useful.sum()):  # ties on (M, recompute): least peak, then first
+        pc = np.where(candidate, p, _INF)
+        candidate &= p == np.repeat(np.minimum.reduceat(pc, starts), lengths)
+        kept = np.flatnonzero(candidate)
+        run_of = np.repeat(np.arange(len(starts)), lengths)[kept]
+        kept = kept[np.concatenate(([True], run_of[1:] != run_of[:-1]))]
+    kept = order[kept]
+    return _States(saved[kept].astype(dtype), recompute[kept].astype(dtype), peak[kept].astype(dtype),
+                   index[kept], source[kept])
+
+
+class _LowerBound:
+    """A lower bound on the recompute of any completion of layers i..L-1 from a state
+    with saved bytes M, by Lagrangian relaxation (Held & Karp 1970; Fisher 1981).
+
+    Every completion within the budget ends with ``M + S <= B_end`` (``S``: the bytes
+    the completion saves; ``B_end = B - head - x``: the head region's bound), so for
+    every ``lambda >= 0`` its recompute ``C`` satisfies ``C >= C + lambda * (M + S -
+    B_end) >= D_i(lambda) - lambda * (B_end - M)``, where ``D_i(lambda)`` is the least
+    ``C + lambda * S`` over all completions, budget ignored (one backward pass over the
+    chain per lambda, all lambdas at once). The bound is the max over a grid of lambdas.
     """
 
-    saved_bytes: int
-    recompute_flops: int
-    peak_bytes: int
-    key: tuple
-    choices: tuple
-    has_group: bool
+    def __init__(self, c: ChainCosts, budget: int, saved: list[np.ndarray], cost: list[np.ndarray]):
+        L, x = c.num_layers, c.shared_checkpoint_bytes
+        ratios = [float(c.last_recompute_flops[i]) / max(1.0, float(c.stored_saved_bytes[i] - c.last_saved_bytes[i]))
+                  for i in range(L)]
+        ratios += [float(o.recompute_flops) / max(1.0, float(c.stored_saved_bytes[i] - o.saved_bytes))
+                   for i in range(L) for o in c.options(i)[1:]]
+        positive = [r for r in ratios if r > 0] or [1.0]
+        self.lam = np.concatenate(([0.0], np.geomspace(min(positive) / 4, max(positive) * 4, 23)))
+        self.end = (budget - c.head_bytes, budget - c.head_bytes - x, budget - c.head_bytes - x)
+        tables = tuple(np.full((L + 1, len(self.lam)), _INF) for _ in range(3))
+        tables[_NO_GROUPS][L] = 0.0
+        tables[_AFTER_GROUP][L] = 0.0
+        for i in range(L - 1, -1, -1):
+            opts = c.options(i)
+            stored = np.min([o.recompute_flops + self.lam * o.saved_bytes for o in opts], axis=0)
+            grouped = (cost[i].astype(np.float64)[:, None] + saved[i].astype(np.float64)[:, None] * self.lam[None, :]
+                       + tables[_AFTER_GROUP][i + 1:i + 1 + len(cost[i])]).min(axis=0)
+            tables[_NO_GROUPS][i] = stored + tables[_NO_GROUPS][i + 1]
+            for fam in (_BEFORE_GROUP, _AFTER_GROUP):
+                tables[fam][i] = np.minimum(stored + tables[fam][i + 1], grouped)
+        self.tables = tables
+        self.focused: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, boundaries: int | np.ndarray, fam: int, saved: np.ndarray) -> np.ndarray:
+        """The bound for states with these saved bytes (float64; inf: none completes),
+        all at one boundary or each at its own (``boundaries`` an array like ``saved``).
+        After ``focus``, one lambda per boundary (a weaker bound, much cheaper)."""
+        room = self.end[fam] - saved.astype(np.float64)
+        if self.focused is not None:
+            lam, d = self.focused[0][fam][boundaries], self.focused[1][fam][boundaries]
+            return d - room * lam
+        return (self.tables[fam][boundaries] - room[:, None] * self.lam).max(axis=1)
+
+    def focus(self, saved_at: Sequence[int]) -> None:
+        """Keep, per boundary and family, the lambda whose bound is highest for a state
+        with ``saved_at[boundary]`` bytes (the path of a good schedule: the bound matters
+        most near it)."""
+        room = np.array([[e - m for m in saved_at] for e in self.end], dtype=np.float64)  # (family, boundary)
+        values = np.stack(self.tables) - room[:, :, None] * self.lam  # (family, boundary, lambda)
+        best = np.argmax(np.nan_to_num(values, nan=-_INF, posinf=_INF), axis=2)
+        lam = self.lam[best]
+        d = np.take_along_axis(np.stack(self.tables), best[:, :, None], axis=2)[:, :, 0]
+        self.focused = (lam, d)
 
 
-def _prune(states: list[_State], budget: int | None, dims: tuple[str, ...],
-           flops_budget: int | None = None) -> list[_State]:
-    """Keep the states not dominated on the fields ``dims`` among those with the same
-    ``has_group``; drop those over ``budget`` (bytes) or ``flops_budget``."""
-    if budget is not None:
-        states = [s for s in states if s.peak_bytes <= budget]
-    if flops_budget is not None:
-        states = [s for s in states if s.recompute_flops <= flops_budget]
-    states.sort(key=lambda s: (s.has_group, *(getattr(s, d) for d in dims), s.saved_bytes,
-                               s.recompute_flops, s.peak_bytes, s.key))
-    kept: list[_State] = []
-    if len(dims) == 2:  # sorted on dims[0]: dominated iff not below the best dims[1] so far
-        best: dict[bool, Any] = {False: None, True: None}
-        for s in states:
-            b = best[s.has_group]
-            if b is not None and b <= getattr(s, dims[1]):
-                continue
-            best[s.has_group] = getattr(s, dims[1])
-            kept.append(s)
-        return kept
-    staircase: dict[bool, list[_State]] = {False: [], True: []}
-    for s in states:
-        others = staircase[s.has_group]
-        if any(all(getattr(k, d) <= getattr(s, d) for d in dims[1:]) for k in others):
-            continue
-        others.append(s)
-        kept.append(s)
-    return kept
+class _Search:
+    """The forward dynamic program of ``_least_recompute`` for one budget.
 
+    ``run(beam, upper)``: with ``beam``, only that many states per frontier are kept
+    (those with the least recompute plus lower bound): a fast schedule within the
+    budget, not always the cheapest, whose recompute is an upper bound. With ``upper``,
+    a state whose recompute plus lower bound (``_LowerBound``) exceeds it is dropped:
+    no completion of it is cheaper than the schedule that gave ``upper``, so the answer
+    stays exact.
+    """
 
-def _solution(final: "_Final") -> Solution:
-    return Solution(_groups_of(final.choices), final.peak_bytes, final.recompute_flops)
+    def __init__(self, c: ChainCosts, budget: int):
+        self.c, self.budget, self.x = c, budget, c.shared_checkpoint_bytes
+        self.dtype = _dtype(c)
+        groups = _groups(c, self.dtype)
+        self.group_peak, self.group_saved, self.group_cost = groups
+        # least group peak over q' >= q, to stop trying longer groups
+        self.least_ahead = [np.minimum.accumulate(a[::-1])[::-1] for a in self.group_peak]
+        self.need = _needs(c, groups)
+        self.need_after = self.need[_AFTER_GROUP]
+        self.lower = _LowerBound(c, budget, self.group_saved, self.group_cost)
+        self.beam: int | None = None
+        self.upper = _INF
 
+    def within_upper(self, boundaries: int | np.ndarray, fam: int, saved: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """Which candidates may still beat ``upper`` (recompute plus lower bound)."""
+        if self.upper == _INF:
+            return np.ones(saved.shape, dtype=bool)
+        bound = cost.astype(np.float64) + self.lower(boundaries, fam, saved)
+        return bound <= self.upper + (1e-9 * abs(self.upper) + 1)  # float rounding of the bound
 
-def _groups_of(choices: tuple) -> tuple[tuple[int, ...], ...]:
-    out = []
-    while choices:
-        (p, q), choices = choices
-        if q is not None:
-            out.append(tuple(range(p, q + 1)))
-    return tuple(sorted(out))
+    def push(self, key: tuple[int, int], saved: np.ndarray, cost: np.ndarray, peak: np.ndarray,
+             index: np.ndarray, source: tuple[int, int, int]) -> None:
+        """Candidates from the states ``index`` of the frontier ``source`` names."""
+        self.sources.append(source)
+        self.pending.setdefault(key, []).append(_States(saved, cost, peak, index, len(self.sources) - 1))
 
+    def frontier(self, key: tuple[int, int]) -> _States | None:
+        """The Pareto set of the candidates of ``key`` (the beam's best with ``beam``)."""
+        blocks = self.pending.pop(key, None)
+        front = _pareto(blocks, self.dtype) if blocks else None
+        if front is not None and self.beam is not None and len(front.saved) > self.beam:
+            score = front.recompute.astype(np.float64) + self.lower(key[0], key[1], front.saved)
+            keep = np.sort(np.argsort(score, kind="stable")[:self.beam])
+            front = _States(*(a[keep] for a in front))
+        if front is not None:
+            self.fronts[key] = front
+        return front
 
-class _Final(NamedTuple):
-    """A complete schedule found by the dynamic program."""
+    def expand(self, i: int, fam: int) -> None:
+        """Every transition out of the frontier (i, fam): each valid for a prefix of it."""
+        c, budget, x = self.c, self.budget, self.x
+        front = self.frontier((i, fam))
+        if front is None:
+            return
+        m, f, p = front.saved, front.recompute, front.peak
+        xf = 0 if fam == _NO_GROUPS else x
+        xb = x if fam == _AFTER_GROUP else 0
+        for k, o in enumerate(c.options(i)):
+            limit = min(budget - xf - o.forward_bytes, budget - xb - o.backward_bytes,
+                        budget - o.saved_bytes - self.need[fam][i + 1])
+            n = int(np.searchsorted(m, limit, side="right"))
+            if n:
+                ms, fs = m[:n] + o.saved_bytes, f[:n] + o.recompute_flops
+                idx = np.flatnonzero(self.within_upper(i + 1, fam, ms, fs))
+                if len(idx):
+                    pk = np.maximum(p[idx], m[idx] + max(xf + o.forward_bytes, xb + o.backward_bytes))
+                    self.push((i + 1, fam), ms[idx], fs[idx], pk, idx, (i, fam, -1 - k))
+        if fam == _NO_GROUPS:
+            return
+        # all group lengths at once: rows q - i, each valid for a prefix of the frontier
+        nq = int(np.searchsorted(self.least_ahead[i], budget - xb - m[0], side="right"))
+        if not nq:
+            return
+        gp, gs, gc = self.group_peak[i][:nq], self.group_saved[i][:nq], self.group_cost[i][:nq]
+        limits = np.minimum(budget - gp - xb, budget - gs - self.need_after[i + 1:i + 1 + nq])
+        counts = np.searchsorted(m, limits, side="right")
+        width = int(counts.max())
+        if not width:
+            return
+        rows, cols = np.nonzero(np.arange(width)[None, :] < counts[:, None])
+        saved, cost = m[cols] + gs[rows], f[cols] + gc[rows]
+        keep = self.within_upper(i + 1 + rows, _AFTER_GROUP, saved, cost)
+        if not keep.all():
+            rows, cols, saved, cost = rows[keep], cols[keep], saved[keep], cost[keep]
+        peak = np.maximum(p[cols], m[cols] + (gp[rows] + xb))
+        cuts = np.searchsorted(rows, np.arange(nq + 1))
+        for r in range(nq):
+            a, b = cuts[r], cuts[r + 1]
+            if a < b:
+                self.push((i + r + 1, _AFTER_GROUP), saved[a:b], cost[a:b], peak[a:b], cols[a:b], (i, fam, i + r))
 
-    recompute_flops: int
-    peak_bytes: int
-    key: tuple
-    choices: tuple
-
-
-_SAVED, _FLOPS, _PEAK = "saved_bytes", "recompute_flops", "peak_bytes"
-
-
-def _solve(c: ChainCosts, budget_bytes: int | None, flops_budget: int | None,
-           dims: tuple[str, ...]) -> list[_Final]:
-    """The dynamic program: the complete schedules kept when partial ones are compared
-    on the ``_State`` fields ``dims``."""
-    L = c.num_layers
-    x = c.shared_checkpoint_bytes
-    group_cache: dict[tuple[int, int], _GroupTerms] = {}
-    finals: list[_Final] = []
-    # mode 0: no group at all (store everything); mode 1: at least one group, so the
-    # shared checkpoint is live in every forward region and the head.
-    for mode in (0, 1):
-        xf = x if mode else 0
-        frontier: list[list[_State]] = [[] for _ in range(L + 1)]
-        frontier[0] = [_State(0, 0, 0, (), (), False)]
+    def run(self, beam: int | None = None, upper: float = _INF) -> Solution | None:
+        """The search (see the class docstring); None when no schedule fits."""
+        c, L = self.c, self.c.num_layers
+        self.beam, self.upper = beam, upper
+        self.pending: dict[tuple[int, int], list[_States]] = {}
+        self.fronts: dict[tuple[int, int], _States] = {}
+        self.sources: list[tuple[int, int, int]] = []
+        zero = np.zeros(1, dtype=self.dtype)
+        for fam in (_NO_GROUPS, _BEFORE_GROUP):
+            if self.need[fam][0] <= self.budget:
+                self.push((0, fam), zero, zero, zero, np.zeros(1, dtype=np.int64), (-1, -1, 0))
         for i in range(L):
-            states = _prune(frontier[i], budget_bytes, dims, flops_budget)
-            frontier[i] = []
-            for s in states:
-                m, xb = s.saved_bytes, (x if s.has_group else 0)
-                stored_peak = max(s.peak_bytes, m + xf + c.stored_forward_bytes[i],
-                                  m + xb + c.stored_backward_bytes[i])
-                frontier[i + 1].append(_State(
-                    m + c.stored_saved_bytes[i], s.recompute_flops, stored_peak,
-                    s.key + ((i, -1),), ((i, None), s.choices), s.has_group))
-                if not mode:
-                    continue
-                for q in range(i, c.stack_end(i)):
-                    if (i, q) not in group_cache:
-                        group_cache[(i, q)] = _group_terms(c, i, q)
-                    g = group_cache[(i, q)]
-                    group_peak = max(s.peak_bytes, m + g.peak_above_bytes + xb)
-                    if budget_bytes is not None and group_peak > budget_bytes:
-                        continue
-                    frontier[q + 1].append(_State(
-                        m + g.saved_bytes, s.recompute_flops + g.recompute_flops, group_peak,
-                        s.key + ((i, q),), ((i, q), s.choices), True))
-        for s in frontier[L]:
-            if s.has_group != bool(mode):
+            for fam in (_NO_GROUPS, _BEFORE_GROUP, _AFTER_GROUP):
+                self.expand(i, fam)
+        best: tuple | None = None
+        for fam in (_NO_GROUPS, _AFTER_GROUP):
+            front = self.frontier((L, fam))
+            if front is None:
                 continue
-            peak = max(s.peak_bytes, s.saved_bytes + xf + c.head_bytes, c.outer_bytes)
-            if budget_bytes is not None and peak > budget_bytes:
-                continue
-            if flops_budget is not None and s.recompute_flops > flops_budget:
-                continue
-            finals.append(_Final(s.recompute_flops, peak, s.key, s.choices))
-    return finals
+            xf = 0 if fam == _NO_GROUPS else self.x
+            for k in range(len(front.saved)):
+                peak = max(int(front.peak[k]), int(front.saved[k]) + xf + c.head_bytes, c.outer_bytes)
+                key = (int(front.recompute[k]), peak, fam, k)
+                if peak <= self.budget and (best is None or key < best):
+                    best = key
+        if best is None:
+            return None
+        flops, peak, fam, k = best
+        return self.trace(L, fam, k, peak, flops)
+
+    def trace(self, boundary: int, fam: int, k: int, peak: int, flops: int) -> Solution:
+        """Follow the parent pointers from a final state back to boundary 0."""
+        groups: list[tuple[int, ...]] = []
+        options = [0] * self.c.num_layers
+        while boundary > 0:
+            front = self.fronts[(boundary, fam)]
+            i, parent_fam, choice = self.sources[int(front.source[k])]
+            k = int(front.parent_index[k])
+            if choice >= 0:
+                groups.append(tuple(range(i, choice + 1)))
+            else:
+                options[i] = -1 - choice
+            boundary, fam = i, parent_fam
+        return Solution(tuple(sorted(groups)), peak, flops, tuple(options) if any(options) else ())
 
 
-def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solution]:
-    """Every schedule on the Pareto front of (recompute FLOPs, peak bytes), exactly.
+def _least_recompute(c: ChainCosts, budget: int, beam: int = 8) -> Solution | None:
+    """The exact least-recompute schedule whose model peak is <= ``budget`` (None when
+    none is): a beam search gives an upper bound, the exact search prunes with it. See
+    the module docstring for the method."""
+    if c.outer_bytes > budget or budget < 0:
+        return None
+    search = _Search(c, budget)
+    quick = search.run(beam=beam)
+    if quick is None:
+        return None
+    search.lower.focus(_saved_at_boundaries(c, quick))
+    return search.run(upper=quick.recompute_flops)
 
-    Args:
-        c: the chain costs.
-        budget_bytes: if given, only schedules whose model peak is <= it.
 
-    Returns:
-        Solutions sorted by recompute FLOPs ascending (peak descending); ties broken
-        by the groups, so the answer is deterministic. Empty when nothing fits.
-
-    Complexity: O(L^2 · F) with F the number of Pareto states (M, FLOPs, peak) at a
-    layer boundary; F grows quickly on heterogeneous chains (use ``least_recompute``,
-    which compares states on (M, FLOPs) only, for long stacks).
-    """
-    finals = _solve(c, budget_bytes, None, (_SAVED, _FLOPS, _PEAK))
-    finals.sort(key=lambda f: (f.recompute_flops, f.peak_bytes, f.key))
-    front: list[Solution] = []
-    for f in finals:
-        if front and front[-1].peak_bytes <= f.peak_bytes:
-            continue
-        front.append(_solution(f))
-    return front
+def _saved_at_boundaries(c: ChainCosts, sol: Solution) -> list[int]:
+    """M at every layer boundary 0..L of a schedule (inside a group: M at its start)."""
+    start_of = {g[0]: g[-1] for g in sol.groups}
+    opts = sol.options or (0,) * c.num_layers
+    out, m, i = [], 0, 0
+    while i < c.num_layers:
+        if i in start_of:
+            q = start_of[i]
+            out += [m] * (q - i + 1)
+            m += _group_terms(c, i, q).saved_bytes
+            i = q + 1
+        else:
+            out.append(m)
+            m += c.options(i)[opts[i]].saved_bytes
+            i += 1
+    return out + [m]
 
 
 def least_feasible_peak(c: ChainCosts) -> Solution:
-    """The schedule of least model peak (among those, the least recompute)."""
-    finals = _solve(c, None, None, (_SAVED, _PEAK))
-    return _solution(min(finals, key=lambda f: (f.peak_bytes, f.recompute_flops, f.key)))
+    """The schedule of least model peak (among those, the least recompute).
+
+    The least peak comes from the feasibility bound of ``least_recompute`` at M = 0
+    (exact: it is a min over every schedule of the max of its regions).
+    """
+    need = _needs(c, _groups(c, _dtype(c)))
+    least = max(c.outer_bytes, int(min(need[_NO_GROUPS][0], need[_BEFORE_GROUP][0])))
+    sol = _least_recompute(c, least)
+    assert sol is not None and sol.peak_bytes == least
+    return sol
 
 
 def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
     """The schedule with the least recompute FLOPs whose model peak is <= ``budget_bytes``
-    (among those, the least peak).
+    (among those, the least peak of the states kept).
 
     Raises:
         InfeasibleBudget: ``budget_bytes`` is below the least peak any schedule reaches;
@@ -340,25 +607,80 @@ def least_recompute(c: ChainCosts, budget_bytes: int) -> Solution:
         >>> c = ChainCosts((10, 10), (2, 2), (0, 0), (10, 10), (10, 10), (20, 20),
         ...                (20, 20), (12, 12), (5, 5), (5, 5), 0, 0)
         >>> least_recompute(c, 30)
-        Solution(groups=(), peak_bytes=30, recompute_flops=0)
+        Solution(groups=(), peak_bytes=30, recompute_flops=0, options=())
         >>> least_recompute(c, 25)
-        Solution(groups=((0,),), peak_bytes=22, recompute_flops=5)
+        Solution(groups=((0,),), peak_bytes=22, recompute_flops=5, options=())
     """
-    finals = _solve(c, budget_bytes, None, (_SAVED, _FLOPS))
-    if not finals:
+    sol = _least_recompute(c, budget_bytes)
+    if sol is None:
         raise infeasible(budget_bytes, least_feasible_peak(c).peak_bytes)
-    return _solution(min(finals, key=lambda f: (f.recompute_flops, f.peak_bytes, f.key)))
+    return sol
+
+
+def pareto_front(c: ChainCosts, budget_bytes: int | None = None) -> list[Solution]:
+    """Every schedule on the Pareto front of (recompute FLOPs, peak bytes), exactly.
+
+    Found by ``least_recompute`` at the budget (none: a bound above every peak), then
+    again at one byte below the peak of each answer: each answer is the cheapest
+    schedule that fits, so no front point between two answers is missed (an answer
+    whose recompute equals the previous one's replaces it: same cost, lower peak).
+
+    Args:
+        c: the chain costs.
+        budget_bytes: if given, only schedules whose model peak is <= it.
+
+    Returns:
+        Solutions sorted by recompute FLOPs ascending (peak descending). Empty when
+        nothing fits.
+    """
+    front: list[Solution] = []
+    budget = _peak_bound(c) if budget_bytes is None else budget_bytes
+    while True:
+        sol = _least_recompute(c, budget)
+        if sol is None:
+            return front
+        if front and sol.recompute_flops == front[-1].recompute_flops:
+            front[-1] = sol
+        else:
+            front.append(sol)
+        budget = sol.peak_bytes - 1
+
+
+def _peak_bound(c: ChainCosts) -> int:
+    """A number of bytes no schedule's model peak exceeds (every byte term added up)."""
+    total = c.head_bytes + c.outer_bytes + c.shared_checkpoint_bytes
+    for f in ("stored_saved_bytes", "last_saved_bytes", "member_saved_bytes", "stored_forward_bytes",
+              "recomputed_forward_bytes", "stored_backward_bytes", "recomputed_backward_bytes", "carry_bytes"):
+        total += sum(abs(v) for v in getattr(c, f))
+    total += sum(abs(v) for opts in c.stored_options for o in opts for v in o[:3])
+    return total
 
 
 def least_peak(c: ChainCosts, recompute_budget_flops: int) -> Solution:
     """The dual: the schedule with the least model peak whose recompute FLOPs are <=
     ``recompute_budget_flops`` (among those, the least recompute).
 
+    Found by bisection on the peak budget with ``least_recompute`` (the least
+    recompute never rises as the budget grows).
+
     Raises:
         ValueError: ``recompute_budget_flops`` is negative.
     """
     if recompute_budget_flops < 0:
         raise ValueError(f"recompute budget {recompute_budget_flops} FLOPs is negative; it must be >= 0")
-    # storing everything costs 0 FLOPs, so some schedule always qualifies
-    finals = _solve(c, None, recompute_budget_flops, (_SAVED, _FLOPS, _PEAK))
-    return _solution(min(finals, key=lambda f: (f.peak_bytes, f.recompute_flops, f.key)))
+    low = least_feasible_peak(c)
+    if low.recompute_flops <= recompute_budget_flops:
+        return low
+    # lo fails; hi fits (every layer stored with option 0 recomputes nothing)
+    lo, hi = low.peak_bytes, model_peak(c, ()).peak_bytes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        sol = _least_recompute(c, mid)
+        if sol is not None and sol.recompute_flops <= recompute_budget_flops:
+            hi = mid
+        else:
+            lo = mid
+    sol = _least_recompute(c, hi)
+    assert sol is not None
+    return sol
+

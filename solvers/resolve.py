@@ -3,7 +3,8 @@ disposes.
 
 The chain model (``solvers.chain``) is calibrated from a few schedules and can be off
 for others; the exact peak comes from liveness analysis of the rewritten step, which
-only the caller can compute. Given ``predict(groups) -> peak bytes``, these functions
+only the caller can compute. Given ``predict(solution) -> peak bytes`` (a chain-model
+``Solution``: its groups and, with op-level options, each layer's option), these functions
 return schedules whose *predicted* peak (not the model's) fits the budget: when the
 model's answer overshoots, the model budget is lowered by the excess and the solve is
 repeated.
@@ -14,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .chain import ChainCosts, least_feasible_peak, least_recompute, model_peak, pareto_front
+from .chain import ChainCosts, Solution, least_feasible_peak, least_recompute, model_peak, pareto_front
 from .errors import InfeasibleBudget, infeasible
 
 Groups = tuple[tuple[int, ...], ...]
-Predict = Callable[[Groups], int]
+Predict = Callable[[Solution], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class CheckedPlan:
         recompute_flops: the chain model's recompute FLOPs of ``groups``.
         resolves: how many times the model budget was lowered because ``predict``
             exceeded the budget.
+        options: each layer's op-level option (``Solution.options``; empty: none).
     """
 
     groups: Groups
@@ -39,6 +41,12 @@ class CheckedPlan:
     predicted_peak_bytes: int
     recompute_flops: int
     resolves: int
+    options: tuple[int, ...] = ()
+
+    @property
+    def solution(self) -> Solution:
+        """The chain-model Solution it checked."""
+        return Solution(self.groups, self.model_peak_bytes, self.recompute_flops, self.options)
 
 
 def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates: int = 3,
@@ -57,9 +65,9 @@ def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates
     candidates.append(model_peak(costs, ()))
     best: CheckedPlan | None = None
     for sol in candidates:
-        peak = predict(sol.groups)
+        peak = predict(sol)
         if best is None or peak < best.predicted_peak_bytes:
-            best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, 0)
+            best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, 0, sol.options)
     assert best is not None
     return best
 
@@ -89,11 +97,11 @@ def least_recompute_checked(costs: ChainCosts, budget_bytes: int, predict: Predi
             sol = least_recompute(costs, model_budget)
         except InfeasibleBudget:
             break
-        peak = predict(sol.groups)
+        peak = predict(sol)
         if peak <= budget_bytes:
-            return CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, resolves)
+            return CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, resolves, sol.options)
         model_budget -= max(peak - budget_bytes, 1)
     # the model's answers kept overshooting: the least feasible schedule fits
-    sol = model_peak(costs, least.groups)
+    sol = model_peak(costs, least.groups, least.options)
     return CheckedPlan(least.groups, sol.peak_bytes, least.predicted_peak_bytes, sol.recompute_flops,
-                       resolves)
+                       resolves, least.options)

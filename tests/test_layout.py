@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stages in data-flow order (ARCHITECTURE.md): a module may import only modules
 # listed before it. ``solvers`` comes first: remat_pass builds on it, never the reverse.
 STAGES = [
-    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers",
+    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
+    "solvers",
     "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.op_signature",
     "remat_pass.scratch_table", "remat_pass.memory_model", "remat_pass.trace",
-    "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.rewrite",
+    "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
     "remat_pass.liveness", "remat_pass.measure", "remat_pass.calibration", "remat_pass.sweep", "remat_pass.symbolic",
-    "remat_pass.planner", "remat_pass.report", "remat_pass.inspection", "remat_pass.plot",
+    "remat_pass.planner", "remat_pass.op_planner", "remat_pass.report", "remat_pass.inspection", "remat_pass.plot",
     "remat_pass.gate", "remat_pass.compiled_graphs", "remat_pass.graph_transforms", "remat_pass.backend_options",
     "remat_pass.backend",
     "remat_pass.models", "remat_pass.hf_families", "remat_pass.cli", "remat_pass.pytest_plugin", "remat_pass",
@@ -112,7 +113,7 @@ def test_solvers_import_without_torch():
         "        if name.split('.')[0] in ('torch', 'remat_pass'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import solvers, solvers.chain, solvers.poly, solvers.closed_forms, solvers.resolve, solvers.errors\n"
+        "import solvers, solvers.chain, solvers.poly, solvers.closed_forms, solvers.resolve, solvers.errors, solvers.oplevel\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'remat_pass')]\n"
         "print('ok')\n"
     )

@@ -5,20 +5,25 @@ optimized schedule beats uniform/block, and the peak never rises as the budget f
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
+import chain_oracle
 from remat_pass.errors import InfeasibleBudget
 from solvers import (
     ChainCosts,
+    StoredOption,
     least_feasible_checked,
+    least_feasible_peak,
     least_peak,
     least_recompute,
     least_recompute_checked,
     model_peak,
     pareto_front,
 )
+from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
 
 
 def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -37,26 +42,45 @@ def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def random_costs(L: int, seed: int) -> ChainCosts:
+def random_costs(L: int, seed: int, options: int = 0, scale: int = 1) -> ChainCosts:
+    """Random heterogeneous chain costs; ``options`` op-level options per layer (each
+    saving part of the stored bytes for some recompute); every figure times ``scale``."""
     r = random.Random(seed)
 
     def v(lo: int, hi: int) -> tuple[int, ...]:
-        return tuple(r.randint(lo, hi) for _ in range(L))
+        return tuple(scale * r.randint(lo, hi) for _ in range(L))
+
+    def opts(i: int) -> tuple[StoredOption, ...]:
+        return tuple(StoredOption(scale * r.randint(20, 150), scale * r.randint(40, 150),
+                                  scale * r.randint(80, 300), scale * r.randint(0, 60)) for _ in range(options))
 
     return ChainCosts(
         stored_saved_bytes=v(50, 200), last_saved_bytes=v(5, 20), member_saved_bytes=v(0, 3),
         stored_forward_bytes=v(40, 150), recomputed_forward_bytes=v(30, 120),
         stored_backward_bytes=v(100, 300), recomputed_backward_bytes=v(100, 300),
         carry_bytes=v(50, 200), last_recompute_flops=v(10, 100), member_recompute_flops=v(10, 100),
-        head_bytes=r.randint(0, 400), outer_bytes=r.randint(0, 300),
-        shared_checkpoint_bytes=r.randint(0, 30),
+        head_bytes=scale * r.randint(0, 400), outer_bytes=scale * r.randint(0, 300),
+        shared_checkpoint_bytes=scale * r.randint(0, 30),
+        stored_options=tuple(opts(i) for i in range(L)) if options else (),
     )
 
 
-@pytest.mark.parametrize("L,seed", [(1, 0), (3, 1), (4, 2), (5, 3), (6, 4)])
-def test_dynamic_program_is_exact(L, seed):
-    c = random_costs(L, seed)
-    every = [model_peak(c, g) for g in all_groupings(L)]
+def every_schedule(c: ChainCosts) -> list:
+    """model_peak of every schedule: each grouping, and each option of each stored layer."""
+    out = []
+    for groups in all_groupings(c.num_layers):
+        inside = {i for g in groups for i in g}
+        choices = [range(len(c.options(i))) if i not in inside else [0] for i in range(c.num_layers)]
+        for combo in itertools.product(*choices):
+            out.append(model_peak(c, groups, combo))
+    return out
+
+
+@pytest.mark.parametrize("L,seed,options", [(1, 0, 0), (3, 1, 0), (4, 2, 0), (5, 3, 0), (6, 4, 0),
+                                            (3, 5, 2), (4, 6, 1), (5, 7, 2)])
+def test_dynamic_program_is_exact(L, seed, options):
+    c = random_costs(L, seed, options)
+    every = every_schedule(c)
     least = min(s.peak_bytes for s in every)
     most = max(s.peak_bytes for s in every)
     for budget in sorted({least, (least + most) // 2, most, least + 7}):
@@ -65,7 +89,7 @@ def test_dynamic_program_is_exact(L, seed):
         sol = least_recompute(c, budget)
         assert sol.recompute_flops == best
         assert sol.peak_bytes <= budget
-        assert model_peak(c, sol.groups).peak_bytes == sol.peak_bytes
+        assert model_peak(c, sol.groups, sol.options) == sol
     with pytest.raises(InfeasibleBudget) as e:
         least_recompute(c, least - 1)
     assert e.value.least_feasible_peak_bytes == least
@@ -85,12 +109,75 @@ def test_least_feasible_checked_considers_recomputing_nothing():
     c = random_costs(4, 5)
     plain = model_peak(c, ()).peak_bytes
 
-    def predict(groups):  # recompute costs 100 bytes per group
-        return plain + 100 * len(groups)
+    def predict(sol):  # recompute costs 100 bytes per group
+        return plain + 100 * len(sol.groups)
 
     least = least_feasible_checked(c, predict)
     assert least.groups == () and least.predicted_peak_bytes == plain
     assert least_recompute_checked(c, plain, predict, least).groups == ()
+
+
+@pytest.mark.parametrize("L,seed", [(10, 11), (16, 12), (24, 13)])
+def test_pruned_dynamic_program_matches_the_unpruned_one(L, seed):
+    """Longer random chains against the dynamic program without bounds (the old one):
+    the same least recompute at budgets across the range, the same least peak."""
+    c = random_costs(L, seed)
+    least = least_feasible_peak(c)
+    assert least.peak_bytes == chain_oracle.least_peak_bytes(c)
+    assert least_recompute(c, least.peak_bytes).recompute_flops == least.recompute_flops
+    top = model_peak(c, ()).peak_bytes
+    for budget in sorted({least.peak_bytes + (top - least.peak_bytes) * k // 6 for k in range(7)}):
+        sol, old = least_recompute(c, budget), chain_oracle.least_recompute(c, budget)
+        assert sol.recompute_flops == old.recompute_flops, budget
+        assert model_peak(c, sol.groups) == sol and sol.peak_bytes <= budget
+
+
+def test_huge_figures_stay_exact():
+    """Figures past int64 (scaled by 2**62) give the same schedules, scaled."""
+    small, huge = random_costs(7, 21, options=1), random_costs(7, 21, options=1, scale=2**62)
+    for budget in (1200, 1500, 2000):
+        a, b = least_recompute(small, budget), least_recompute(huge, budget * 2**62)
+        assert (b.groups, b.options, b.peak_bytes, b.recompute_flops) == (
+            a.groups, a.options, a.peak_bytes * 2**62, a.recompute_flops * 2**62)
+
+
+def random_layer(seed: int, n_units: int) -> LayerGraph:
+    """A random layer: units of one or two values, some values views of earlier ones,
+    random reads by backward, forced saves, outside inputs, random ops and costs."""
+    r = random.Random(seed)
+    values: list[Value] = []
+    units: list[Unit] = []
+    storages: list[int] = []
+    externals = (External(r.randint(10, 50), kept=False), External(r.randint(10, 50), kept=True))
+    for _ in range(n_units):
+        mine = []
+        for _ in range(2 if r.random() < 0.2 else 1):
+            if values and r.random() < 0.25:  # a view: shares an earlier value's storage
+                storage = values[r.randrange(len(values))].storage
+            else:
+                storages.append(r.randint(1, 100))
+                storage = len(storages) - 1
+            values.append(Value(storage, read_by_backward=r.random() < 0.5, must_save=r.random() < 0.1))
+            mine.append(len(values) - 1)
+        earlier = [v for v in range(len(values)) if v not in mine]
+        inputs = tuple(sorted(r.sample(earlier, min(len(earlier), r.randint(0, 2)))))
+        units.append(Unit(tuple(mine), inputs, tuple(e for e in range(2) if r.random() < 0.2), cost=r.randint(0, 50),
+                          random=r.random() < 0.15, recomputable=r.random() < 0.9))
+    return LayerGraph(tuple(units), tuple(values), tuple(storages), externals, rng_state_bytes=7)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_layer_front_matches_brute_force(seed):
+    """The integer programs give exactly the Pareto front of (saved bytes, recompute
+    cost) that trying every set of recomputed units gives; each point's figures are
+    those of its own recomputed units."""
+    g = random_layer(seed, 8 + seed % 4)
+    front = layer_front(g)
+    assert [(d.saved_bytes, d.recompute_cost) for d in front] == [
+        (d.saved_bytes, d.recompute_cost) for d in brute_force_front(g)]
+    for d in front:
+        assert evaluate(g, d.recomputed) == d
+    assert front[0].recompute_cost == 0  # recomputing nothing is always possible
 
 
 def test_negative_recompute_budget():

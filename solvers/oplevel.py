@@ -1,0 +1,289 @@
+"""Which values of one layer to save and which to recompute: the exact trade-off of
+saved bytes against recompute cost, by integer programming (HiGHS, through
+``scipy.optimize.milp``).
+
+The layer (``LayerGraph``, plain data from ``remat_pass.op_planner``) is its forward
+ops, grouped in *units* (an op with the values it returns; a multi-output op's values
+are recomputed together), the values backward reads, and the storages the values live
+in (views share their base's storage). A *decision* recomputes a set of units:
+
+- every value the layer's own backward reads is saved or recomputed;
+- a recomputed unit's inputs are saved or recomputed; an input from outside the layer
+  is saved (a checkpoint) unless it is kept anyway (``External.kept``);
+- values the policy must save (read by another layer's backward) are saved;
+- a recomputed random unit also saves its RNG state (``rng_state_bytes``).
+
+Its *saved bytes* are the bytes of the storages holding a saved value, plus the RNG
+states and the checkpoints; its *recompute cost* is the sum of the recomputed units'
+costs (the caller's integer unit: FLOPs for compute ops, bytes moved for memory-bound
+ops, or timed nanoseconds). ``layer_front`` gives every Pareto-optimal (saved bytes,
+recompute cost) decision, by the epsilon-constraint method: least cost under a bytes
+cap, then the cap one byte below the answer (Haimes et al. 1971).
+The integer program follows Checkmate (Jain et al. 2020, "Checkmate: Breaking the
+Memory Wall with Optimal Tensor Rematerialization") restricted to one recompute per
+value, with the saved set as the decision, as PyTorch's knapsack partitioner
+(``torch/_functorch/partitioners.py``, ``activation_memory_budget``) chooses what to
+save. ``brute_force_front`` enumerates every decision (tests), ``evaluate`` gives one
+decision's figures by the same rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from .errors import RematError
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """One tensor a unit returns.
+
+    Attributes:
+        storage: index into ``LayerGraph.storage_bytes`` (views share their base's).
+        read_by_backward: the layer's own backward reads it.
+        must_save: saved whatever the decision (read by another layer's backward).
+        savable: it can be saved (False for values that are not tensors).
+    """
+
+    storage: int
+    read_by_backward: bool = False
+    must_save: bool = False
+    savable: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One forward op and the values it returns.
+
+    Attributes:
+        values: indices into ``LayerGraph.values``.
+        inputs: indices of the values it reads (inside the layer).
+        externals: indices into ``LayerGraph.externals`` it reads.
+        cost: its recompute cost (integer, the caller's unit).
+        random: it draws random numbers (recomputing it saves an RNG state).
+        recomputable: the decision may recompute it.
+    """
+
+    values: tuple[int, ...]
+    inputs: tuple[int, ...] = ()
+    externals: tuple[int, ...] = ()
+    cost: int = 0
+    random: bool = False
+    recomputable: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class External:
+    """A value from outside the layer that its ops read.
+
+    Attributes:
+        nbytes: its storage's bytes.
+        kept: it is saved or static anyway (a primal, or read by some backward), so a
+            recompute may read it for free.
+    """
+
+    nbytes: int
+    kept: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+    """One layer as the integer program sees it (see the module docstring)."""
+
+    units: tuple[Unit, ...]
+    values: tuple[Value, ...]
+    storage_bytes: tuple[int, ...]
+    externals: tuple[External, ...] = ()
+    rng_state_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDecision:
+    """One point of the trade-off.
+
+    Attributes:
+        recomputed: indices of the recomputed units (sorted).
+        saved_bytes: the decision's saved bytes.
+        recompute_cost: the decision's recompute cost.
+    """
+
+    recomputed: tuple[int, ...]
+    saved_bytes: int
+    recompute_cost: int
+
+
+def evaluate(g: LayerGraph, recompute: Sequence[int]) -> LayerDecision | None:
+    """The figures of recomputing the units ``recompute`` (None when it is not a valid
+    decision: a unit that may not be recomputed, or an input neither saved nor
+    recomputed cannot happen, since any value not recomputed is saved if savable).
+
+    Values not recomputed that backward or a recompute reads are saved; a non-savable
+    value that must be available and is not recomputed makes the decision invalid.
+    """
+    rec = set(recompute)
+    if any(not g.units[u].recomputable for u in rec):
+        return None
+    unit_of = {v: u for u, unit in enumerate(g.units) for v in unit.values}
+    saved: set[int] = {v for v, val in enumerate(g.values) if val.must_save}
+    for v, val in enumerate(g.values):
+        if val.read_by_backward and unit_of[v] not in rec:
+            saved.add(v)
+    externals: set[int] = set()
+    for u in rec:
+        for v in g.units[u].inputs:
+            if unit_of[v] not in rec:
+                saved.add(v)
+        externals.update(e for e in g.units[u].externals if not g.externals[e].kept)
+    if any(not g.values[v].savable for v in saved):
+        return None
+    nbytes = sum(g.storage_bytes[s] for s in {g.values[v].storage for v in saved})
+    nbytes += sum(g.externals[e].nbytes for e in externals) + g.rng_state_bytes * sum(g.units[u].random for u in rec)
+    # recomputing a unit nothing needs is never useful: count only what is needed
+    return LayerDecision(tuple(sorted(rec)), nbytes, sum(g.units[u].cost for u in rec))
+
+
+def brute_force_front(g: LayerGraph) -> list[LayerDecision]:
+    """The Pareto front of (saved bytes, recompute cost) by trying every set of
+    recomputable units (2^units: small graphs only), least cost first."""
+    candidates = [u for u, unit in enumerate(g.units) if unit.recomputable]
+    every = []
+    for k in range(len(candidates) + 1):
+        for rec in itertools.combinations(candidates, k):
+            d = evaluate(g, rec)
+            if d is not None:
+                every.append(d)
+    return _front(every)
+
+
+def _front(decisions: list[LayerDecision]) -> list[LayerDecision]:
+    out: list[LayerDecision] = []
+    for d in sorted(decisions, key=lambda d: (d.recompute_cost, d.saved_bytes, d.recomputed)):
+        if not out or d.saved_bytes < out[-1].saved_bytes:
+            out.append(d)
+    return out
+
+
+class _Program:
+    """The integer program of one layer: variables ``[save value v | recompute unit u |
+    hold storage s | hold external e]``, all binary."""
+
+    def __init__(self, g: LayerGraph):
+        self.g = g
+        nv, nu, ns, ne = len(g.values), len(g.units), len(g.storage_bytes), len(g.externals)
+        self.save, self.rec = 0, nv
+        self.hold, self.ext = nv + nu, nv + nu + ns
+        self.n = nv + nu + ns + ne
+        unit_of = {v: u for u, unit in enumerate(g.units) for v in unit.values}
+        rows: list[tuple[dict[int, float], float, float]] = []  # (coefficients, low, high)
+        for v, val in enumerate(g.values):
+            if val.read_by_backward:  # saved or recomputed
+                rows.append(({self.save + v: 1, self.rec + unit_of[v]: 1}, 1, np.inf))
+            rows.append(({self.hold + val.storage: 1, self.save + v: -1}, 0, np.inf))
+        for u, unit in enumerate(g.units):
+            for v in unit.inputs:  # a recomputed unit's inputs are available
+                rows.append(({self.save + v: 1, self.rec + unit_of[v]: 1, self.rec + u: -1}, 0, np.inf))
+            for e in unit.externals:
+                if not g.externals[e].kept:
+                    rows.append(({self.ext + e: 1, self.rec + u: -1}, 0, np.inf))
+        self.rows = rows
+        low, high = np.zeros(self.n), np.ones(self.n)
+        for v, val in enumerate(g.values):
+            if val.must_save:
+                low[self.save + v] = 1
+            if not val.savable:
+                high[self.save + v] = 0
+        for u, unit in enumerate(g.units):
+            if not unit.recomputable:
+                high[self.rec + u] = 0
+        self.bounds = Bounds(low, high)
+        self.bytes = np.zeros(self.n)
+        self.bytes[self.hold:self.hold + ns] = g.storage_bytes
+        self.bytes[self.ext:self.ext + ne] = [e.nbytes for e in g.externals]
+        self.bytes[self.rec:self.rec + nu] = [g.rng_state_bytes * unit.random for unit in g.units]
+        self.cost = np.zeros(self.n)
+        self.cost[self.rec:self.rec + nu] = [unit.cost for unit in g.units]
+
+    def solve(self, objective: np.ndarray, extra: list[tuple[np.ndarray, float]]) -> np.ndarray | None:
+        """Minimise ``objective`` under the structure and ``extra`` rows ``a @ x <= b``."""
+        data, row_idx, col_idx, low, high = [], [], [], [], []
+        for r, (coef, lo, hi) in enumerate(self.rows):
+            for c, a in coef.items():
+                row_idx.append(r), col_idx.append(c), data.append(a)
+            low.append(lo), high.append(hi)
+        for a, b in extra:
+            r = len(low)
+            for c in np.flatnonzero(a):
+                row_idx.append(r), col_idx.append(int(c)), data.append(float(a[c]))
+            low.append(-np.inf), high.append(b)
+        matrix = coo_array((data, (row_idx, col_idx)), shape=(len(low), self.n)).tocsr()
+        res = milp(objective, constraints=LinearConstraint(matrix, low, high), bounds=self.bounds,
+                   integrality=np.ones(self.n), options={"mip_rel_gap": 0.0, "presolve": True})
+        if res.status == 2:  # infeasible
+            return None
+        if res.status != 0 or res.x is None:
+            raise RematError(f"HiGHS did not solve the layer's integer program: {res.message}")
+        return np.round(res.x).astype(int)
+
+    def decision(self, x: np.ndarray) -> LayerDecision:
+        rec = tuple(int(u) for u in np.flatnonzero(x[self.rec:self.rec + len(self.g.units)]))
+        d = evaluate(self.g, rec)
+        if d is None:
+            raise RematError("the integer program returned a decision that is not valid")
+        return d
+
+
+def layer_front(g: LayerGraph, max_points: int = 64) -> list[LayerDecision]:
+    """Every Pareto-optimal (saved bytes, recompute cost) decision of the layer, least
+    cost first (at most ``max_points``; the least-bytes end is kept when cut).
+
+    Each point is the least recompute cost among decisions saving at most a cap (an
+    integer program solved exactly: relative gap 0); the next cap is one byte below its
+    saved bytes, and an answer of the same cost with fewer bytes replaces the previous
+    point, so every point ends at the least bytes of its cost. The figures of each point are recomputed
+    with ``evaluate`` from the recomputed units (exact integers), and each point's
+    recompute set is the least needed (units nothing reads are not recomputed).
+
+    Raises:
+        RematError: HiGHS fails (not for an infeasible cap, which ends the front).
+    """
+    prog = _Program(g)
+    front: list[LayerDecision] = []
+    cap = float(prog.bytes.sum()) + 1
+    while cap >= 0:
+        x = prog.solve(prog.cost, [(prog.bytes, cap)])
+        if x is None:
+            break
+        d = _least_needed(g, prog.decision(x))
+        if front and d.recompute_cost == front[-1].recompute_cost:
+            front[-1] = d  # the same cost with fewer bytes: the earlier point was not minimal
+        else:
+            front.append(d)
+        cap = d.saved_bytes - 1
+    if len(front) > max_points:
+        step = (len(front) - 1) / (max_points - 1)
+        front = [front[round(k * step)] for k in range(max_points)]
+    return front
+
+
+def _least_needed(g: LayerGraph, d: LayerDecision) -> LayerDecision:
+    """Drop recomputed units that neither backward nor another recompute reads (the
+    program may recompute a unit of zero cost and zero saving either way)."""
+    rec = set(d.recomputed)
+    unit_of = {v: u for u, unit in enumerate(g.units) for v in unit.values}
+    needed: set[int] = set()
+    todo = [unit_of[v] for v, val in enumerate(g.values) if val.read_by_backward and unit_of[v] in rec]
+    while todo:
+        u = todo.pop()
+        if u in needed:
+            continue
+        needed.add(u)
+        todo.extend(unit_of[v] for v in g.units[u].inputs if unit_of[v] in rec)
+    better = evaluate(g, sorted(needed))
+    return better if better is not None and better.saved_bytes <= d.saved_bytes and \
+        better.recompute_cost <= d.recompute_cost else d

@@ -1,0 +1,90 @@
+"""The op-level optimum: per layer, which values to save, with whole-layer groups,
+under a peak budget; checked by liveness, measured, gradients bitwise equal, and the
+measured peak never rises as the budget falls (case C2 at op level)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import small_gpt2
+from remat_pass.cli import EXIT_USAGE, main
+from remat_pass.errors import InfeasibleBudget
+from remat_pass.models import linear_chain
+from remat_pass.op_planner import OpPlanner
+from remat_pass.planner import Planner
+from remat_pass.sweep import Session
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_linear_chain_plans_and_refuses_an_infeasible_budget():
+    """A Linear chain saves only layer inputs: nothing to trade inside a layer, so the
+    op-level answers are the layer-level ones; below the least peak, the error says it."""
+    s = Session.create(*linear_chain(batch=8, width=16, layers=3))
+    planner = OpPlanner(s.joint, s.stack, s.report)
+    assert sorted(i for k in planner.kinds for i in k.layers) == [0, 1, 2]
+    assert all(front[0].recompute_cost == 0 for front in planner.fronts)
+    top = planner.plan(planner.unconstrained_peak_bytes)
+    assert top.recompute_flops == 0 and top.recomputed_nodes == 0
+    least = planner.least_feasible().predicted_peak_bytes
+    layer_least = Planner(s.joint, s.stack, s.report).least_feasible()[1]
+    assert least <= layer_least
+    with pytest.raises(InfeasibleBudget) as e:
+        planner.plan(least - 1)
+    assert e.value.least_feasible_peak_bytes == least
+    r = s.evaluate(planner.plan(least).partition)
+    assert r.grads_equal and r.measured_peak_bytes <= least
+
+
+@pytest.mark.slow
+def test_budgets_bound_the_measured_peak_monotonically():
+    """GPT-2 (transformers) with dropout 0.1: budgets from the unconstrained peak down
+    to the least feasible one. Every plan's predicted peak fits its budget and equals
+    the measured peak; gradients are bitwise equal (dropout replayed); as the budget
+    falls the measured peak never rises and the recompute cost never falls."""
+    s = Session.create(*small_gpt2(layers=3, dropout=0.1))
+    planner = OpPlanner(s.joint, s.stack, s.report)
+    least = planner.least_feasible().predicted_peak_bytes
+    top = planner.unconstrained_peak_bytes
+    budgets = [top - (top - least) * k // 5 for k in range(6)]
+    plans = planner.plan_many(budgets)
+    measured = []
+    for budget, plan in zip(budgets, plans):
+        r = s.evaluate(plan.partition)
+        assert r.grads_equal, plan.partition.provenance
+        assert plan.predicted_peak_bytes <= budget
+        assert r.measured_peak_bytes == r.predicted_peak_bytes, plan.partition.provenance
+        measured.append(r.measured_peak_bytes)
+    assert all(b <= a for a, b in zip(measured, measured[1:])), measured
+    costs = [p.recompute_cost for p in plans]
+    assert all(b >= a for a, b in zip(costs, costs[1:])), costs
+    assert plans[0].recompute_cost == 0 and plans[-1].recompute_cost > 0
+    # the layer-level optimum's least peak is no lower than the op-level one's
+    assert least <= Planner(s.joint, s.stack, s.report).least_feasible()[1]
+
+
+CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3", "--batch", "8"]
+
+
+@pytest.mark.slow
+def test_plan_op_command_line(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", *CHAIN, "--budget", "1GiB", "--granularity", "op", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    for key in ("saved_nodes", "recomputed_nodes", "recompute_flops", "recompute_bytes_moved", "measured_peak_bytes",
+                "predicted_peak_bytes", "grads_equal", "least_feasible_peak_bytes"):
+        assert key in d, key
+    assert d["grads_equal"] and d["recompute_flops"] == 0
+    capsys.readouterr()
+    assert main(["plan", *CHAIN, "--budget", "1", "--granularity", "op"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "least feasible peak is" in err and "Traceback" not in err
