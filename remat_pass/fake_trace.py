@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._mode_utils import no_dispatch
 
-from .errors import RematError
+from .errors import RematError, UnsupportedGraph
 from .trace import (
     JointGraph,
     LossFn,
@@ -200,7 +200,15 @@ def trace_joint_fake(
                 fakes.append(converter.convert([v])[0])
     else:
         fakes = converter.convert(flat.primal_values)
-    joint, num_fwd_outputs = capture_joint(flat.fn, fakes, dynamic=bool(symbols), fake_mode=mode)
+    try:
+        joint, num_fwd_outputs = capture_joint(flat.fn, fakes, dynamic=bool(symbols), fake_mode=mode)
+    except UnsupportedGraph as e:
+        if type(e.__cause__).__name__ == "FakeTensorDeviceMismatchError" and "meta" in str(e.__cause__):
+            raise UnsupportedGraph(
+                "a tensor the model or the loss function closes over (a loss target, a mask) is on the meta "
+                "device; only parameters, buffers and inputs may be meta: pass it as an input, or create it "
+                f"with real values ({e.__cause__})") from e
+        raise
     return joint_graph(flat, joint, num_fwd_outputs, model, fakes, dims_of_symbol, shape_env,
                        primal_values=fakes, fake=True)
 

@@ -44,7 +44,7 @@ import torch.fx as fx
 from solvers.poly import Poly
 
 from . import schedule as schedules
-from .costs import node_flops
+from .costs import node_flops, tensor_val
 from .errors import UnsupportedGraph
 from .liveness import (
     Intervals,
@@ -58,8 +58,9 @@ from .liveness import (
     storage_bytes,
 )
 from .regions import LayerStack
-from .rewrite import RewrittenStep, rewrite
+from .rewrite import rewrite
 from .schedule import Schedule
+from .static_memory import StaticTensor
 from .symbolic import SizeConverter, SymbolicModel, SymbolicStep
 from .trace import JointGraph
 
@@ -231,14 +232,18 @@ class _Template:
             for a in n.all_input_nodes:
                 for s in sids(iv.sid_of.get(a)):
                     reads.setdefault(s, set()).add(i)
-        for s in sids(iv.saved_sids):
-            reads.setdefault(s, set()).add(self.nf - 1)
         to_end = {sid for sid, st in enumerate(iv.storages) if st.kind in ("gradient", "output")}
         end = len(iv.steps) - 1
+        saved = set(sids(iv.saved_sids))
         for sid, st in enumerate(iv.storages):
             if st.static:
                 continue
-            last = end if sid in to_end else max(reads.get(sid, set()) | {st.first})
+            read = reads.get(sid, set())
+            if sid in saved and not any(r >= self.nf for r in read):
+                raise UnsupportedGraph(f"{st.name} is saved for backward but backward never reads it: "
+                                       "layer reuse cannot follow it")
+            # forward returns the saved values at its last step; backward reads them later
+            last = end if sid in to_end else max(read | {st.first} | ({self.nf - 1} if sid in saved else set()))
             if last != st.last:
                 raise UnsupportedGraph(f"storage of {st.name} is live to step {st.last} but read last at {last}: "
                                        "layer reuse cannot follow it")
@@ -327,6 +332,8 @@ class ReusedLayers:
         self.to_end: dict[tuple, bool] = {}
         self.covered: set[tuple] = set()
         self.templates: dict[tuple[str, ...], _Template] = {}
+        self._static: tuple[int, int, int] | None = None
+        self._plans: dict[tuple, list[tuple]] = {}
 
     # ------------------------------------------------------------ tables
 
@@ -454,68 +461,252 @@ class ReusedLayers:
                 them cover every context of ``schedule``).
         """
         lay = self.layout(schedule)
-        roles, start, L = lay.roles, lay.start, self.num_layers
-        end = len(lay.steps) - 1
+        roles, start, L = lay.roles, lay.start, len(lay.roles)
+        end, nf = len(lay.steps) - 1, lay.num_forward_steps
         storages: list[Storage] = []
         for b in lay.order:
-            bt = self.block_types[_block_type(b, roles)]
-            outer = isinstance(b, str)
-            j = None if outer else b[1]
+            btype = _block_type(b, roles)
+            if isinstance(b, str):
+                plan, j, resolve = self._outer_plan(btype, roles), None, None
+            else:
+                j = b[1]
+                sig = (roles[j - 1] if j else None, roles[j + 1] if j < L - 1 else None, j == 0, j == L - 1)
+                plan, resolve = self._layer_plan(btype, sig), j
             base = start[b]
-            for ordinal, (off, nbytes, is_scratch) in enumerate(bt.storages):
-                key = (_block_type(b, roles), ordinal)
+            for off, nbytes, name, label, to_end, reads in plan:
                 first = base + off
-                if self.to_end[key]:
+                if to_end:
                     last = end
                 else:
                     last = first
-                    for target, read_off in self._resolved_reads(key, b, roles):
-                        pos = start.get(target)
+                    for ref, read_off in reads:
+                        pos = start.get(ref if resolve is None or isinstance(ref, str)
+                                        else (ref[0], resolve + ref[1], ref[2]))
                         if pos is None:
-                            raise UnsupportedGraph(f"a read of block {target}, which the {schedule.provenance} "
-                                                   "step does not have")
-                        last = max(last, pos + read_off)
-                kind = self._kind(bt, b, is_scratch, key, last >= lay.num_forward_steps)
-                storages.append(Storage(nbytes, first, last, bt.nodes[off].name, j, kind, False))
-        iv = Intervals(storages, lay.steps[: lay.num_forward_steps], lay.steps[lay.num_forward_steps:], [])
+                            raise UnsupportedGraph(f"{schedule.provenance}: a read of block {ref}, which this step "
+                                                   "does not have")
+                        if pos + read_off > last:
+                            last = pos + read_off
+                kind = label if label else ("saved" if last >= nf else "forward")
+                storages.append(Storage(nbytes, first, last, name, j, kind, False))
+        iv = Intervals(storages, lay.steps[:nf], lay.steps[nf:], [])
         return iv, lay
 
-    def _resolved_reads(self, key: tuple, b: Any, roles: Sequence[str]) -> Iterable[tuple[Any, int]]:
-        """``(block, offset)`` of every read of storage ``key`` owned by block ``b``."""
+    def _layer_plan(self, btype: Any, sig: tuple) -> list[tuple]:
+        """For each storage of a layer block of type ``btype`` whose neighbours have
+        roles ``sig[:2]`` (None: no neighbour) and whose layer is first / last
+        (``sig[2:]``): ``(offset, bytes, name, kind or None, lives to the end, reads)``,
+        reads as ``((kind, layer delta, part) or outer block, offset)`` (cached)."""
+        key = (btype, sig)
+        if key not in self._plans:
+            prev, nxt, first, last = sig
+            bt = self.block_types[btype]
+            plan = []
+            for ordinal, (off, nbytes, is_scratch) in enumerate(bt.storages):
+                entry = self.layer_reads[(btype, ordinal)]
+                reads: list[tuple[Any, int]] = list(self._lookup(entry, ("outer", first, last), btype).items())
+                reads += [((k, 0, p), o) for (k, p), o in entry[("self",)].items()]
+                if prev is not None:
+                    reads += [((k, -1, p), o) for (k, p), o in self._lookup(entry, ("prev", prev), btype).items()]
+                if nxt is not None:
+                    reads += [((k, 1, p), o) for (k, p), o in self._lookup(entry, ("next", nxt), btype).items()]
+                to_end = self.to_end[(btype, ordinal)]
+                plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, btype, is_scratch, to_end), to_end,
+                             tuple(reads)))
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def _outer_plan(self, name: str, roles: Sequence[str]) -> list[tuple]:
+        """``_layer_plan`` for an outer block: reads resolved to every layer of ``roles``."""
         L = len(roles)
-        if isinstance(b, str):
-            entry = self.outer_reads[key]
-            for ref, off in entry[("outer",)].items():
-                yield ref, off
+        bt = self.block_types[name]
+        plan = []
+        for ordinal, (off, nbytes, is_scratch) in enumerate(bt.storages):
+            entry = self.outer_reads[(name, ordinal)]
+            reads: list[tuple[Any, int]] = list(entry[("outer",)].items())
+            per_layer: dict[tuple, dict[Any, int]] = {}
             for j in range(L):
-                for (kind, part), off in self._lookup(entry, ("layer", roles[j], j == 0, j == L - 1), key).items():
-                    yield (kind, j, part), off
-            return
-        entry = self.layer_reads[key]
-        j = b[1]
-        for ref, off in self._lookup(entry, ("outer", j == 0, j == L - 1), key).items():
-            yield ref, off
-        for (kind, part), off in entry[("self",)].items():
-            yield (kind, j, part), off
-        if j > 0:
-            for (kind, part), off in self._lookup(entry, ("prev", roles[j - 1]), key).items():
-                yield (kind, j - 1, part), off
-        if j < L - 1:
-            for (kind, part), off in self._lookup(entry, ("next", roles[j + 1]), key).items():
-                yield (kind, j + 1, part), off
+                ctx = ("layer", roles[j], j == 0, j == L - 1)
+                if ctx not in per_layer:
+                    per_layer[ctx] = self._lookup(entry, ctx, name)
+                reads += [((k, j, p), o) for (k, p), o in per_layer[ctx].items()]
+            to_end = self.to_end[(name, ordinal)]
+            plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, name, is_scratch, to_end), to_end,
+                         tuple(reads)))
+        return plan
 
     @staticmethod
-    def _lookup(entry: dict[tuple, dict[Any, int]], ctx: tuple, key: tuple) -> dict[Any, int]:
+    def _lookup(entry: dict[tuple, dict[Any, int]], ctx: tuple, btype: Any) -> dict[Any, int]:
         if ctx not in entry:
-            raise UnsupportedGraph(f"no template showed storage {key} in context {ctx}")
+            raise UnsupportedGraph(f"no template showed a storage of block {btype} in context {ctx}")
         return entry[ctx]
 
-    def _kind(self, bt: _BlockType, b: Any, is_scratch: bool, key: tuple, read_in_backward: bool) -> str:
-        """The storage's kind as ``liveness`` names it."""
+    @staticmethod
+    def _label(bt: _BlockType, btype: Any, is_scratch: bool, to_end: bool) -> str | None:
+        """The storage's kind as ``liveness`` names it; None for a forward storage, which
+        is "saved" when backward reads it and "forward" otherwise."""
         if is_scratch:
             return "scratch"
-        if self.to_end[key]:
+        if to_end:
             return "output" if bt.phase == "forward" else "gradient"
         if bt.phase == "forward":
-            return "saved" if read_in_backward else "forward"
-        return "recompute" if not isinstance(b, str) and b[0] == "recompute" else "backward"
+            return None
+        return "recompute" if not isinstance(btype, str) and btype[0] == "recompute" else "backward"
+
+    # ------------------------------------------------------------ results
+
+    def report(self, schedule: Schedule, with_timeline: bool = False) -> MemoryReport:
+        """The MemoryReport of ``schedule`` on the L-layer stack, equal to
+        ``liveness.analyze`` of its full rewrite (``timeline`` is empty unless
+        ``with_timeline``: 10^4 steps per report add up over a sweep). Node names are
+        the template's, with the L-layer layer index.
+        """
+        iv, lay = self.intervals(schedule)
+        live = live_timeline(iv)
+        nf = lay.num_forward_steps
+        peak_step = max(range(len(live)), key=lambda i: (live[i], -i)) if live else 0
+        peak_block = lay.block_of_step[peak_step]
+        peak_layer = None if isinstance(peak_block, str) else peak_block[1]
+        at_peak = sorted((LiveTensor(s.name, s.layer, s.nbytes, s.kind) for s in iv.storages
+                          if s.kind != "scratch" and s.nbytes and s.first <= peak_step <= s.last),
+                         key=lambda t: (-t.nbytes, t.name, -1 if t.layer is None else t.layer))
+        by_layer: dict[str, int] = {}
+        for t in at_peak:
+            k = "outer" if t.layer is None else str(t.layer)
+            by_layer[k] = by_layer.get(k, 0) + t.nbytes
+        saved = tuple(LiveTensor(s.name, s.layer, s.nbytes, "saved") for s in iv.storages if s.kind == "saved")
+        timeline: tuple[TimelineStep, ...] = ()
+        if with_timeline:
+            timeline = tuple(
+                TimelineStep("forward" if i < nf else "backward", n.name, _layer(b), v)
+                for i, (n, b, v) in enumerate(zip(lay.steps, lay.block_of_step, live)))
+        fw_flops = rc_flops = 0
+        for b in lay.order:
+            bt = self.block_types[_block_type(b, lay.roles)]
+            if bt.phase == "forward":
+                fw_flops += bt.flops
+            elif not isinstance(b, str) and b[0] == "recompute":
+                rc_flops += bt.flops
+        return MemoryReport(
+            schedule=schedule.provenance, allocator=self.allocator, peak_bytes=live[peak_step] if live else 0,
+            peak_step=peak_step, peak_phase="forward" if peak_step < nf else "backward",
+            peak_node=lay.steps[peak_step].name if live else "", peak_layer=peak_layer,
+            live_at_peak=tuple(at_peak), live_at_peak_by_layer=by_layer,
+            saved_activation_bytes=sum(t.nbytes for t in saved), saved=saved,
+            static_bytes=self.static_bytes(), timeline=timeline,
+            forward_flops=fw_flops, recompute_flops=rc_flops)
+
+    def profile(self, schedule: Schedule) -> SymbolicStep:
+        """``symbolic.profile_step`` of the L-layer step (constant polynomials), for the
+        chain model of ``ReusedLayersModel``."""
+        iv, lay = self.intervals(schedule)
+        live = live_timeline(iv)
+        nf = lay.num_forward_steps
+        saved: dict[int | None, Poly] = {}
+        for s in iv.storages:
+            if s.kind == "saved":
+                saved[s.layer] = saved.get(s.layer, Poly()) + Poly.constant(int(s.nbytes), 0)
+        fw: dict[int | None, Poly] = {}
+        rc: dict[int | None, Poly] = {}
+        for b in lay.order:
+            bt = self.block_types[_block_type(b, lay.roles)]
+            target = fw if bt.phase == "forward" else rc if not isinstance(b, str) and b[0] == "recompute" else None
+            if target is not None and bt.flops:
+                target[_layer(b)] = target.get(_layer(b), Poly()) + Poly.constant(bt.flops, 0)
+        kinds = ["forward" if i < nf else ("recompute" if not isinstance(b, str) and b[0] == "recompute"
+                                           else "backward") for i, b in enumerate(lay.block_of_step)]
+        return SymbolicStep(
+            gens=(), phases=["forward" if i < nf else "backward" for i in range(len(live))],
+            nodes=[n.name for n in lay.steps], layers=[_layer(b) for b in lay.block_of_step], kinds=kinds,
+            live=[Poly.constant(int(v), 0) for v in live], saved_by_layer=saved,
+            recompute_flops_by_layer=rc, forward_flops_by_layer=fw)
+
+    def static_bytes(self) -> int:
+        """Static bytes of the L-layer step as ``liveness.analyze`` counts them (primals,
+        tangents, graph constants), from the template: outer ones once, one layer's
+        per layer."""
+        if self._static is None:
+            self._static = self._static_parts()
+        outer, per_layer, constants = self._static
+        return outer + per_layer * self.num_layers + constants
+
+    def static_tensors(self) -> list[StaticTensor]:
+        """The L-layer model's primals for ``static_memory`` (a layer's parameters once,
+        with ``count`` L)."""
+        j = self.template
+        prefix = _layer_prefixes(self.stack)
+        out = []
+        for v, kind, label in zip(j.primal_values, j.primal_kinds, j.primal_labels):
+            layer = _layer_of_label(label, prefix)
+            if layer is None:
+                out.append(StaticTensor(kind, int(v.numel()), v.dtype, int(v.untyped_storage().nbytes())))
+            elif layer == 1:
+                out.append(StaticTensor(kind, int(v.numel()), v.dtype, int(v.untyped_storage().nbytes()),
+                                        count=self.num_layers))
+        return out
+
+    def _static_parts(self) -> tuple[int, int, int]:
+        """(outer primal and tangent bytes, one layer's primal bytes, graph-constant
+        bytes of the L-layer step of ``none``)."""
+        t = self.add_template(("S",) * self.stack.num_layers)
+        prefix = _layer_prefixes(self.stack)
+        index = {name: i for i, name in enumerate(self.template.primals)}
+        by_layer: dict[int | None, int] = {}
+        for st in t.iv.storages:
+            if st.static and st.name in index:
+                layer = _layer_of_label(self.template.primal_labels[index[st.name]], prefix)
+                by_layer[layer] = by_layer.get(layer, 0) + int(st.nbytes)
+            elif st.static and st.name in self.template.tangents:
+                by_layer[None] = by_layer.get(None, 0) + int(st.nbytes)
+        layers = {by_layer.get(i, 0) for i in range(self.stack.num_layers)}
+        if len(layers) != 1:
+            raise UnsupportedGraph(f"the template's layers hold different parameter bytes {sorted(layers)}")
+        constants = 0
+        lay = self.layout(schedules.none(self.num_layers))
+        for b in lay.order:
+            for n in self.block_types[_block_type(b, lay.roles)].nodes:
+                if n.op == "get_attr" and tensor_val(n) is not None:
+                    constants += storage_bytes(tensor_val(n), self.allocator)
+        return by_layer.get(None, 0), layers.pop(), constants
+
+
+def _layer(block: Any) -> int | None:
+    return None if isinstance(block, str) else block[1]
+
+
+def _layer_prefixes(stack: LayerStack) -> dict[str, int]:
+    base = f"{stack.path}." if stack.path else ""
+    return {f"{base}{c}.": i for i, c in enumerate(stack.child_names)}
+
+
+def _layer_of_label(label: str, prefixes: dict[str, int]) -> int | None:
+    for p, i in prefixes.items():
+        if label.startswith(p):
+            return i
+    return None
+
+
+@dataclasses.dataclass
+class ReusedLayersModel(SymbolicModel):
+    """The symbolic model's chain calibration (``SymbolicModel.chain_costs``) on an
+    L-layer stack analysed by ``ReusedLayers`` (concrete shapes), for the planner."""
+
+    reuse: ReusedLayers | None = None
+
+    @classmethod
+    def create(cls, reuse: ReusedLayers) -> "ReusedLayersModel":
+        """The model of ``reuse``'s stack."""
+        return cls(reuse.template, reuse.stack, {}, SizeConverter(reuse.template), reuse=reuse)
+
+    @property
+    def num_layers(self) -> int:
+        """L of the analysed stack (not the template's)."""
+        assert self.reuse is not None
+        return self.reuse.num_layers
+
+    def profile(self, schedule: Schedule) -> SymbolicStep:
+        """The L-layer step's profile (cached)."""
+        assert self.reuse is not None
+        if schedule not in self._profiles:
+            self._profiles[schedule] = self.reuse.profile(schedule)
+        return self._profiles[schedule]

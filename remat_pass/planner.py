@@ -75,17 +75,22 @@ class Planner:
         joint, stack: the traced step (concrete shapes) and its layer stack.
         predict: ``predict(schedule) -> MemoryReport`` of the rewritten step (e.g.
             ``sweep.Session.report``).
+        model: the model the chain costs are calibrated from (default:
+            ``SymbolicModel.from_joint(joint, stack)``; ``layer_reuse.ReusedLayersModel``
+            for a stack analysed from a template). Its ``num_layers`` is the L planned for.
     """
 
-    def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Schedule], MemoryReport]):
+    def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Schedule], MemoryReport],
+                 model: SymbolicModel | None = None):
         self.joint, self.stack = joint, stack
         self._predict = predict
-        self.model = SymbolicModel.from_joint(joint, stack)
+        self.model = model if model is not None else SymbolicModel.from_joint(joint, stack)
+        self.num_layers = self.model.num_layers
         t0 = time.perf_counter()
         self.costs = self.model.chain_costs()
         self.calibrate_s = time.perf_counter() - t0
         self._reports: dict[Schedule, MemoryReport] = {}
-        self.unconstrained_peak_bytes = self.report(schedules.none(stack.num_layers)).peak_bytes
+        self.unconstrained_peak_bytes = self.report(schedules.none(self.num_layers)).peak_bytes
         self._least: CheckedPlan | None = None
 
     def report(self, schedule: Schedule) -> MemoryReport:
@@ -98,7 +103,7 @@ class Planner:
         return self.report(self._schedule(groups)).peak_bytes
 
     def _schedule(self, groups: tuple) -> Schedule:
-        return schedules.optimized(groups, self.stack.num_layers)
+        return schedules.optimized(groups, self.num_layers)
 
     def least_feasible(self) -> tuple[Schedule, int]:
         """The schedule of least liveness peak the solver finds, and that peak (bytes)."""
