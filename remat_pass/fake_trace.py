@@ -77,7 +77,8 @@ class FakeConverter:
             if id(t) not in self._memo and all(t is not u for u in group):
                 group.append(t)
         for members in groups.values():
-            self._convert_group(members)
+            if members:  # tensors seen in an earlier call keep their fakes
+                self._convert_group(members)
         return [self._memo[id(t)] for t in tensors]
 
     def _convert_group(self, members: list[torch.Tensor]) -> None:
