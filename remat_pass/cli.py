@@ -15,9 +15,14 @@ Op-level policies (``sweep``): ``--selective`` (Megatron-LM
 ``--module-kind KIND=PATH`` naming modules that are not recognised.
 
 Every subcommand that takes a model accepts ``--model module:factory`` (default: the
-shipped GPT-2), ``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the
-factory) and ``--stack`` (module path of a layer stack, repeatable for several, when
-they are not found automatically).
+shipped GPT-2) or ``--config PATH`` (a ``transformers`` config JSON, ``--task``),
+``--batch``, ``--seq``, ``--layers`` (number of layers, passed to the factory) and
+``--stack`` (module path of a layer stack, repeatable for several, when they are not
+found automatically);
+``--meta`` builds it without weights (predicted only), ``--dtype`` / ``--autocast`` set
+the precision, ``--target cuda`` predicts for a GPU (``--gpu``), and ``--optimizer``,
+``--master-weights`` and ``--device-memory`` add static memory and the device's
+activation budget (``workload.py``).
 """
 
 from __future__ import annotations
@@ -29,17 +34,28 @@ from pathlib import Path
 from typing import Sequence
 
 from . import schedule as schedules
+from .calibration import CACHE_ENV
 from .errors import InfeasibleBudget, InvalidSchedule, RematError
-from .calibration import CACHE_ENV, CalibrationOptions
 from .formatting import fmt_bytes, mib, parse_bytes, text_table
 from .gate import gate
 from .inspection import describe_step, dump_step, load_dump, render
+from .configs import (
+    DTYPES,
+    TASKS,
+    ModelSpec,
+    build_factory,
+    build_from_config,
+    check_spec,
+    default_task,
+    load_config,
+)
+from .cuda_target import GPUS
 from .measure import measured_step_timeline
-from .models import build
 from .op_planner import CostModel, OpPlanner
 from .partition import Partition
-from .planner import Planner, max_batch_rows
+from .planner import max_batch_rows
 from .policies import KINDS, POLICIES, recompute_modules, save_policy
+from .static_memory import OPTIMIZERS
 from .plot import plot_timeline
 from .regions import LayerStack
 from .report import (
@@ -58,10 +74,9 @@ from .report import (
     write_json,
     write_report,
 )
-from .sweep import ScheduleResult, Session, sweep
+from .sweep import ScheduleResult, Session
 from .symbolic import default_symbols, trace_symbolic
-
-DEFAULT_MODEL = "remat_pass.models:gpt2"
+from .workload import DEFAULT_MODEL, TARGETS, Workload, WorkloadOptions, fits, load_workload
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -89,31 +104,89 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(--stack encoder.block --stack decoder.block); every stack is found automatically "
                         "if omitted")
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
-    g = p.add_argument_group("op scratch")
-    g.add_argument("--no-calibrate", action="store_true",
+    g.add_argument("--config", metavar="PATH", help="a transformers config JSON (model_type and fields, as a model "
+                   "repository's config.json) instead of --model")
+    g.add_argument("--task", choices=TASKS, help="with --config: the model class (default: the config's "
+                   "architectures, else the first the model type has)")
+    g.add_argument("--meta", action="store_true", help="build without weights (meta device): every figure is "
+                   "predicted, nothing is run; automatic when a --config model would not fit in memory")
+    g.add_argument("--dtype", choices=tuple(DTYPES), help="parameter and activation dtype (default: as built; "
+                   "float32 for --config)")
+    g.add_argument("--autocast", choices=("bfloat16", "float16"),
+                   help="mixed precision: fp32 parameters, the forward under torch.autocast in this dtype")
+    g.add_argument("--trace-all-layers", action="store_true",
+                   help="trace every layer of a large --meta model instead of analysing it from a few")
+    t = p.add_argument_group("target and static memory")
+    t.add_argument("--target", choices=TARGETS, default="cpu",
+                   help="device to predict for: cpu (measurable here) or cuda (kernels and allocator modelled; "
+                   "predicted only on a machine without a GPU) (default: %(default)s)")
+    t.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="the GPU of --target cuda (default: %(default)s)")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
+                   help="optimizer states counted as static memory (default: %(default)s)")
+    t.add_argument("--master-weights", action="store_true",
+                   help="an fp32 master copy of non-fp32 parameters (the optimizer states are then fp32)")
+    t.add_argument("--device-memory", metavar="SIZE",
+                   help="the device's memory (e.g. 80GiB): the activation budget is what static memory leaves")
+    c = p.add_argument_group("op scratch")
+    c.add_argument("--no-calibrate", action="store_true",
                    help="do not run ops to calibrate their scratch memory; use the ATen formula table only")
-    g.add_argument("--calibration-cache", metavar="DIR",
+    c.add_argument("--calibration-cache", metavar="DIR",
                    help=f"folder of the calibration cache (default: ${CACHE_ENV} or ~/.cache/remat-pass)")
 
 
-def load_session(args: argparse.Namespace) -> Session:
-    """Build the model from the factory and trace it (prints what it does to stderr)."""
-    model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
-    t0 = time.perf_counter()
-    calibration = None if args.no_calibrate else CalibrationOptions(cache_dir=args.calibration_cache)
-    session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed, calibration=calibration)
-    print(
-        f"traced {type(model).__name__}: {len(session.joint.gm.graph.nodes)} joint nodes, "
-        f"{_stacks_text(session.stack)} ({time.perf_counter() - t0:.1f}s)",
-        file=sys.stderr,
-    )
-    return session
+def workload_options(args: argparse.Namespace) -> WorkloadOptions:
+    """The WorkloadOptions of the model arguments.
+
+    Raises:
+        ValueError: --model and --config both given.
+    """
+    if args.config and args.model != DEFAULT_MODEL:
+        raise ValueError("give --model or --config, not both")
+    return WorkloadOptions(
+        model=args.model, config=args.config, task=args.task, meta=args.meta, dtype=args.dtype,
+        autocast=args.autocast, batch=args.batch, seq=args.seq, layers=args.layers,
+        stack=tuple(args.stack) if args.stack else None, calibrate=not args.no_calibrate,
+        calibration_cache=args.calibration_cache,
+        seed=args.seed, target=args.target, gpu=args.gpu, optimizer=args.optimizer,
+        master_weights=args.master_weights, device_memory=args.device_memory,
+        trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None))
 
 
-def calibration_note(session: Session) -> None:
+def load(args: argparse.Namespace) -> Workload:
+    """Build and trace the step of the model arguments (prints what it does to stderr)."""
+    return load_workload(workload_options(args))
+
+
+def _static_line(w: Workload) -> str:
+    s = w.static
+    parts = [f"parameters {fmt_bytes(s.parameter_bytes)}", f"optimizer ({s.optimizer}) {fmt_bytes(s.optimizer_state_bytes)}"]
+    if s.master_weight_bytes:
+        parts.append(f"master weights {fmt_bytes(s.master_weight_bytes)}")
+    if s.workspace_bytes:
+        parts.append(f"workspaces {fmt_bytes(s.workspace_bytes)}")
+    parts.append(f"batch, buffers and the rest {fmt_bytes(s.batch_bytes + s.buffer_bytes + s.other_bytes)}")
+    line = f"static memory {fmt_bytes(s.total_bytes)}: " + ", ".join(parts)
+    line += f"; gradients {fmt_bytes(s.gradient_bytes)} are inside each peak"
+    if w.device_memory_bytes is not None:
+        line += f"; device {fmt_bytes(w.device_memory_bytes)} leaves {fmt_bytes(w.device_memory_bytes - s.total_bytes)}"
+    return line
+
+
+def _progress(i: int, n: int, r: ScheduleResult) -> None:
+    if r.predicted_only:
+        text = f"predicted {mib(r.predicted_peak_bytes)} MiB (predicted only)  ({r.pass_time_s:.2f}s)"
+    elif r.grads_match:
+        text = (f"predicted {mib(r.predicted_peak_bytes)} MiB  measured {mib(r.measured_peak_bytes)} MiB  "
+                f"grads {r.grads_text()}  ({r.measure_time_s:.1f}s)")
+    else:
+        text = f"grads {r.grads_text()}: no peak reported"
+    print(f"[{i:2d}/{n}] {r.provenance:14s} {text}", file=sys.stderr, flush=True)
+
+
+def calibration_note(w: Workload) -> None:
     """Say on stderr how many op signatures were calibrated now, in how long, where the
     figures are kept."""
-    cal = session.calibrator
+    cal = w.session.calibrator if w.session is not None else None
     if cal is not None and cal.calibrated_signatures:
         print(f"calibrated the scratch memory of {cal.calibrated_signatures} op signatures in "
               f"{cal.calibrate_s:.1f}s (cached in {cal.path})", file=sys.stderr)
@@ -193,26 +266,36 @@ def check_policy_names(args: argparse.Namespace) -> None:
         raise InvalidSchedule(f"save policy {args.policy!r} does not exist; the policies are {', '.join(POLICIES)}")
 
 
+def _whole_session(w: Workload, what: str) -> Session:
+    """The session of a step traced whole (op-level choices name its nodes).
+
+    Raises:
+        ValueError: the stack was analysed from a template (``layer_reuse``).
+    """
+    if w.session is None:
+        raise ValueError(f"{what} chooses nodes in every layer: add --trace-all-layers")
+    return w.session
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Run every Megatron setting (or an op-level policy with block); print the table,
-    write --json."""
+    """Run (or predict) every Megatron setting, or an op-level policy alone and with
+    block N; print the table, write --json."""
     check_policy_names(args)
-    session = load_session(args)
-    per_stack = session.stack.layers_per_stack
+    w = load(args)
+    t0 = time.perf_counter()
+    per_stack = w.layers_per_stack
     todo: list = list(schedules.megatron_schedules(per_stack))
-    policy = op_partition(args, session)
-    if policy is not None:  # the policy alone, then with block(N) (uniform leaves no stored layer)
-        todo = [schedules.none(per_stack), policy] + [op_partition(args, session, schedules.block(n, per_stack))
-                                                       for n in range(1, min(per_stack))]
-
-    def progress(i: int, n: int, s, r) -> None:  # noqa: ANN001
-        peaks = (f"predicted {mib(r.predicted_peak_bytes):>8s} MiB  measured {mib(r.measured_peak_bytes):>8s} MiB"
-                 if r.grads_match else "predicted        - MiB  measured        - MiB")
-        print(f"[{i:2d}/{n}] {s.provenance:14s} {peaks}  grads {r.grads_text()}  ({r.measure_time_s:.1f}s)",
-              file=sys.stderr, flush=True)
-
-    results = sweep(session, todo, progress=progress)
-    calibration_note(session)
+    if args.selective or args.recompute_modules or args.policy:
+        session = _whole_session(w, "an op-level policy")
+        # the policy alone, then with block(N) (uniform leaves no stored layer)
+        todo = [schedules.none(per_stack), op_partition(args, session)] + [
+            op_partition(args, session, schedules.block(n, per_stack)) for n in range(1, min(per_stack))]
+    none_peak = w.report(todo[0]).peak_bytes if w.predicted_only else None
+    results = []
+    for i, sched in enumerate(todo, 1):
+        results.append(w.result(sched, none_peak))
+        _progress(i, len(todo), results[-1])
+    calibration_note(w)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
     noisy = [r for r in results if r.grads_within_run_to_run]
     if noisy:
@@ -221,17 +304,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               "parallel reduction on several threads); the gradients of "
               f"{', '.join(r.provenance for r in noisy)} were compared against that difference instead of bit "
               "for bit (\"within\" in the table). One thread (torch.set_num_threads(1)) may make it reproducible.")
+    print(_static_line(w), file=sys.stderr)
+    print(f"{len(results)} schedules in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.json:
+        rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
         write_json(args.json, {
-            "model": args.model,
-            "layer_stack": session.stack.path,
-            "num_layers": session.stack.num_layers,
-            **_stacks_meta(session.stack),
-            "static_bytes": sum(int(v.untyped_storage().nbytes()) for v in session.joint.primal_values),
-            "rows": [r.to_dict() for r in results],
+            "model": args.config or args.model,
+            "description": w.description,
+            "target": args.target,
+            "allocator": w.allocator,
+            "predicted_only": w.predicted_only,
+            "layer_stack": w.stack_path,
+            "num_layers": w.num_layers,
+            **_stacks_meta(w),
+            "static_bytes": w.static.total_bytes,
+            "static": w.static.to_dict(),
+            "device_memory_bytes": w.device_memory_bytes,
+            "rows": rows,
         })
         print(f"wrote {args.json}", file=sys.stderr)
-    return EXIT_OK if all(r.grads_match for r in results) else EXIT_FAILED
+    return EXIT_OK if all(r.predicted_only or r.grads_match for r in results) else EXIT_FAILED
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -256,39 +348,43 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> Non
     if allow_all:
         g.add_argument("--all-schedules", action="store_true",
                        help="every Megatron setting: none, uniform K=1..L, block N=0..L")
-    g.add_argument("--allocator", choices=("cpu", "cuda"), default="cpu",
-                   help="allocator model for the predicted bytes (default: %(default)s)")
+    g.add_argument("--allocator", choices=("cpu", "cuda"),
+                   help="allocator model for the predicted bytes (default: the --target's)")
 
 
-def _schedules(args: argparse.Namespace, stack: LayerStack) -> list[schedules.Schedule]:
-    per_stack = stack.layers_per_stack
+def _schedules(args: argparse.Namespace, w: Workload) -> list[schedules.Schedule]:
+    per_stack = w.layers_per_stack
     if getattr(args, "all_schedules", False):
         return schedules.megatron_schedules(per_stack)
     if args.schedule != "none" and args.recompute_num_layers is None:
         raise ValueError(f"--schedule {args.schedule} needs --recompute-num-layers K (the layer stack has "
-                         f"L={stack.num_layers})" if len(per_stack) == 1 else
+                         f"L={w.num_layers})" if len(per_stack) == 1 else
                          f"--schedule {args.schedule} needs --recompute-num-layers K (applied to each of the "
-                         f"layer stacks {stack.describe()})")
+                         f"layer stacks {w.session.stack.describe()})")
     return [schedules.make(args.schedule, args.recompute_num_layers, per_stack)]
 
 
-def _stacks_meta(stack: LayerStack) -> dict:
+def _stacks_meta(w: Workload) -> dict:
     """``{"layer_stacks": [...]}`` naming each stack and its layers when there are several."""
-    if len(stack.stacks) == 1:
+    if w.session is None or len(w.session.stack.stacks) == 1:
         return {}
     return {"layer_stacks": [{"path": s.path, "first_layer": s.first_layer, "num_layers": s.num_layers}
-                             for s in stack.stacks]}
+                             for s in w.session.stack.stacks]}
 
 
-def _meta(args: argparse.Namespace, session: Session) -> dict:
-    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
-            "layer_stack": session.stack.path, "num_layers": session.stack.num_layers,
-            **_stacks_meta(session.stack)}
+def _meta(args: argparse.Namespace, w: Workload) -> dict:
+    meta = {"model": args.config or args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+            "layer_stack": w.stack_path, "num_layers": w.num_layers, **_stacks_meta(w),
+            "target": args.target if args.target != "cpu" else None, "predicted_only": w.predicted_only or None,
+            "static_bytes": w.static.total_bytes if (args.optimizer != "none" or args.target != "cpu") else None}
     return {k: v for k, v in meta.items() if v is not None}
 
 
-def _predict(args: argparse.Namespace, session: Session, sched: schedules.Schedule):  # noqa: ANN202
-    step, report, _ = session.prepare(sched, args.allocator)
+def _predict(w: Workload, sched: schedules.Schedule):  # noqa: ANN202
+    """``(step, report)``; the step is None when the stack is analysed from a template."""
+    if w.session is None:
+        return None, w.report(sched)
+    step, report, _ = w.session.prepare(sched, w.allocator)
     return step, report
 
 
@@ -304,12 +400,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.graph:
         desc = load_dump(args.graph)
     else:
-        session = load_session(args)
-        (sched,) = _schedules(args, session.stack)
-        step, report = _predict(args, session, sched)
-        desc = describe_step(step, report, _meta(args, session))
+        w = load(args)
+        if w.session is None:
+            raise ValueError("inspect prints every node of the rewritten graphs: add --trace-all-layers")
+        (sched,) = _schedules(args, w)
+        step, report = _predict(w, sched)
+        desc = describe_step(step, report, _meta(args, w))
         if args.dump:
-            path = dump_step(step, report, args.dump, sched.provenance, _meta(args, session))
+            path = dump_step(step, report, args.dump, sched.provenance, _meta(args, w))
             print(f"wrote {path}", file=sys.stderr)
     sys.stdout.write(render(desc, sections, args.only_layer))
     return EXIT_OK
@@ -317,18 +415,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
-    session = load_session(args)
-    todo = _schedules(args, session.stack)
+    if args.measure and (args.meta or args.target != "cpu"):
+        raise ValueError("--measure runs the step on this CPU: it needs weights (no --meta) and --target cpu")
+    w = load(args)
+    todo = _schedules(args, w)
     if args.png and len(todo) != 1:
         raise ValueError("--png draws one schedule: drop --all-schedules or --png")
+    if (args.png or args.timeline) and w.session is None:
+        raise ValueError("--png and --timeline need every step: add --trace-all-layers")
     docs, parts = [], []
     for sched in todo:
-        step, report = _predict(args, session, sched)
+        step, report = _predict(w, sched)
         docs.append(report_json(report, step, timeline=args.timeline))
         text = report_markdown(report, step)
         measured = None
         if args.measure:
-            measured = measured_step_timeline(step, session.joint, seed=args.seed)
+            measured = measured_step_timeline(step, w.session.joint, seed=args.seed)
             diffs = [m - p.live_bytes for p, m in zip(report.timeline, measured) if m != p.live_bytes]
             text += (f"\nMeasured (CPU profiler, per step): peak {mib(max(measured))} MiB; "
                      f"predicted {mib(report.peak_bytes)} MiB; {len(diffs)} of {len(measured)} steps differ"
@@ -342,19 +444,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(todo) == 1:
         markdown = parts[0]
     else:
-        markdown = (f"### remat-pass: predicted peaks of {args.model}\n\n" + summary_markdown(docs) + "\n\n"
-                    + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n</details>\n"
-                                for d, t in zip(docs, parts)))
-    calibration_note(session)
+        markdown = (f"### remat-pass: predicted peaks of {args.config or args.model}\n\n" + summary_markdown(docs)
+                    + "\n\n" + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n"
+                                           "</details>\n" for d, t in zip(docs, parts)))
+    if args.optimizer != "none" or args.target != "cpu" or args.device_memory:
+        markdown += f"\n{_static_line(w)}\n"
+    calibration_note(w)
     if args.markdown:
         _write(args.markdown, markdown)
     else:
         sys.stdout.write(markdown)
     if args.json:
         if len(docs) == 1 and not args.all_schedules:
-            doc = {**docs[0], "meta": _meta(args, session)}
+            doc = {**docs[0], "meta": _meta(args, w)}
         else:
-            doc = reports_document(docs, _meta(args, session))
+            doc = reports_document(docs, _meta(args, w))
         write_report(args.json, doc)
         print(f"wrote {args.json}", file=sys.stderr)
     return EXIT_OK
@@ -364,23 +468,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     """CI gate: exit 1 when a predicted peak exceeds --budget or regresses past --baseline."""
     if args.budget is None and args.baseline is None:
         raise ValueError("nothing to check: give --budget SIZE and/or --baseline PATH")
-    session = None
+    w = None
     if args.report:
         docs = read_reports(args.report)
     else:
-        session = load_session(args)
+        w = load(args)
         docs = []
-        for sched in _schedules(args, session.stack):
-            step, report = _predict(args, session, sched)
+        for sched in _schedules(args, w):
+            step, report = _predict(w, sched)
             docs.append(report_json(report, step))
-        calibration_note(session)
+        calibration_note(w)
         if args.json:
-            write_report(args.json, reports_document(docs, _meta(args, session)))
+            write_report(args.json, reports_document(docs, _meta(args, w)))
             print(f"wrote {args.json}", file=sys.stderr)
     result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression)
     print(result.text())
-    if session is not None and any(f.check == "budget" and not f.ok for f in result.findings):
-        print(_fitting_schedules(args, session, parse_bytes(args.budget), docs))
+    if w is not None and any(f.check == "budget" and not f.ok for f in result.findings):
+        print(_fitting_schedules(w, parse_bytes(args.budget), docs))
     if args.markdown:
         verdict = "passed" if result.ok else "FAILED"
         _write(args.markdown, f"### remat-pass check {verdict}\n\n{summary_markdown(docs)}\n\n"
@@ -388,15 +492,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _fitting_schedules(args: argparse.Namespace, session: Session, budget_bytes: int, docs: list) -> str:
+def _fitting_schedules(w: Workload, budget_bytes: int, docs: list) -> str:
     """The Megatron settings whose predicted peak fits the budget, least recompute first
     (what a failing ``check --budget`` suggests)."""
     done = {d["schedule"]["provenance"]: d for d in docs}
     rows = []
-    for sched in schedules.megatron_schedules(session.stack.layers_per_stack):
+    for sched in schedules.megatron_schedules(w.layers_per_stack):
         d = done.get(sched.provenance)
         if d is None:
-            step, report = _predict(args, session, sched)
+            step, report = _predict(w, sched)
             d = report_json(report, step)
         if d["peak_bytes"] <= budget_bytes:
             rows.append((d["recompute_flops"], d["peak_bytes"], sched.provenance))
@@ -408,9 +512,23 @@ def _fitting_schedules(args: argparse.Namespace, session: Session, budget_bytes:
             + ", ".join(f"{name} ({mib(peak)} MiB)" for _, peak, name in rows))
 
 
+def _model_for_symbols(args: argparse.Namespace):  # noqa: ANN202
+    """``(model, inputs, loss_fn)`` for the symbolic model (a factory or a config)."""
+    if args.target != "cpu" or args.autocast:
+        raise ValueError("model (symbolic shapes) traces for --target cpu without --autocast")
+    if args.config:
+        config = load_config(args.config)
+        spec = ModelSpec(task=args.task or default_task(config), dtype=args.dtype or "float32", meta=args.meta,
+                         batch=args.batch or 2, seq=args.seq or 128, seed=args.seed, layers=args.layers)
+        check_spec(config, spec)
+        return build_from_config(config, spec)
+    return build_factory(args.model, meta=args.meta, dtype=args.dtype, batch=args.batch, seq=args.seq,
+                         layers=args.layers)
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
-    model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+    model, inputs, loss_fn = _model_for_symbols(args)
     t0 = time.perf_counter()
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
     print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s); "
@@ -433,11 +551,23 @@ def _profile_with_progress(sm) -> None:  # noqa: ANN001 - a SymbolicModel
               file=sys.stderr, flush=True)
 
 
+def _budget(args: argparse.Namespace, w: Workload | None) -> int:
+    """The activation budget: --budget, what --device-memory leaves, or the smaller."""
+    budgets = [parse_bytes(args.budget)] if args.budget else []
+    if w is not None and w.device_memory_bytes is not None:
+        left = w.activation_budget()
+        print(f"{_static_line(w)}", file=sys.stderr)
+        budgets.append(left)
+    if not budgets:
+        raise ValueError("plan needs --budget SIZE (activation bytes) or --device-memory SIZE")
+    return min(budgets)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The optimized schedule under --budget (or the largest batch per schedule)."""
-    budget = parse_bytes(args.budget)
+    """The optimized schedule under --budget / --device-memory (or the largest batch per schedule)."""
     if args.max_batch:
-        model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+        budget = _budget(args, None)
+        model, inputs, loss_fn = _model_for_symbols(args)
         sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
         rows = max_batch_rows(sm, budget)
         print(f"largest batch within {budget} bytes ({fmt_bytes(budget)}), "
@@ -450,11 +580,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             write_json(args.json, {"budget_bytes": budget, "rows": rows})
         return EXIT_OK
-    session = load_session(args)
+    if not args.budget and not args.device_memory:
+        raise ValueError("plan needs --budget SIZE (activation bytes) or --device-memory SIZE")
+    w = load(args)
+    budget = _budget(args, w)
     if args.granularity == "op":
-        return _plan_op(args, session, budget)
+        return _plan_op(args, w, budget)
     t0 = time.perf_counter()
-    planner = Planner(session.joint, session.stack, session.report)
+    planner = w.planner()
     try:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
@@ -465,18 +598,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "unconstrained_peak_bytes": planner.unconstrained_peak_bytes,
             })
         raise
-    result = session.evaluate(plan.schedule, strict=False)
-    calibration_note(session)
+    result = w.result(plan.schedule)
+    calibration_note(w)
     print(plan_text(plan, result, planner.calibrate_s, time.perf_counter() - t0))
     if args.json:
-        write_json(args.json, plan_json(plan, result))
+        doc = plan_json(plan, result)
+        doc.update(static=w.static.to_dict(), static_bytes=w.static.total_bytes,
+                   device_memory_bytes=w.device_memory_bytes, predicted_only=w.predicted_only)
+        write_json(args.json, doc)
         print(f"wrote {args.json}", file=sys.stderr)
     return _plan_outcome(result, budget, plan.schedule.provenance, plan.predicted_peak_bytes)
 
 
 def _plan_outcome(result: ScheduleResult, budget: int, provenance: str, predicted_peak_bytes: int) -> int:
     """EXIT_OK, or EXIT_FAILED saying why: the plan's gradients differ from the
-    un-rewritten step, or its measured peak exceeds the budget."""
+    un-rewritten step, or its measured peak exceeds the budget (a predicted-only plan
+    is not measured: EXIT_OK)."""
+    if result.predicted_only:
+        return EXIT_OK
     if not result.grads_match:
         print(f"remat-pass plan: error: the gradients of {provenance} differ from the "
               "un-rewritten step", file=sys.stderr)
@@ -490,10 +629,12 @@ def _plan_outcome(result: ScheduleResult, budget: int, provenance: str, predicte
     return EXIT_OK
 
 
-def _plan_op(args: argparse.Namespace, session: Session, budget: int) -> int:
-    """``plan --granularity op``: the op-level optimum under the budget, measured."""
+def _plan_op(args: argparse.Namespace, w: Workload, budget: int) -> int:
+    """``plan --granularity op``: the op-level optimum under the budget, measured when
+    the step can run."""
+    session = _whole_session(w, "plan --granularity op")
     t0 = time.perf_counter()
-    planner = OpPlanner(session.joint, session.stack, session.report,
+    planner = OpPlanner(session.joint, session.stack, w.report,
                         CostModel(args.flops_per_byte, timed=args.timed_costs))
     try:
         plan = planner.plan(budget)
@@ -503,7 +644,8 @@ def _plan_op(args: argparse.Namespace, session: Session, budget: int) -> int:
                                    "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
                                    "unconstrained_peak_bytes": planner.unconstrained_peak_bytes})
         raise
-    result = session.evaluate(plan.partition)
+    result = w.result(plan.partition)
+    calibration_note(w)
     print(op_plan_text(plan, result, planner, time.perf_counter() - t0))
     if args.json:
         write_json(args.json, op_plan_json(plan, result))
@@ -559,7 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_model)
     p = sub.add_parser("plan", help="optimized schedule: least recompute under a peak budget")
     add_model_args(p)
-    p.add_argument("--budget", required=True, metavar="SIZE", help="peak budget: bytes or 1.5GiB, 800MiB, 2GB")
+    p.add_argument("--budget", metavar="SIZE", help="peak budget (activation bytes): bytes or 1.5GiB, 800MiB, 2GB; "
+                   "or give --device-memory")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest batch that fits the budget, per Megatron schedule")
     p.add_argument("--granularity", choices=("layer", "op"), default="layer",

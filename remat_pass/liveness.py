@@ -181,12 +181,16 @@ class Intervals:
         fw_steps, bw_steps: the nodes run as steps, forward then backward; step ``i``
             is ``(fw_steps + bw_steps)[i]``.
         saved_sids: index into ``storages`` of each saved value (None: not a tensor).
+        sid_of: forward / backward graph node -> the storage id(s) its value lives in
+            (an int, a list for a tuple, None for a non-tensor), for callers that need
+            every read of a storage rather than its last.
     """
 
     storages: list[Storage]
     fw_steps: list[fx.Node]
     bw_steps: list[fx.Node]
     saved_sids: list[Any]
+    sid_of: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def steps(self) -> list[fx.Node]:
@@ -245,7 +249,7 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
             if scratch:
                 builder.storages.append(
                     Storage(scratch, i, i, n.name, step.layer_of.get(n.name), "scratch", False))
-    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids)
+    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids, builder.sid_of)
 
 
 def memory_intervals(step: RewrittenStep, memory: MemoryModel) -> tuple[Intervals, list[NodeMemory | None]]:

@@ -83,12 +83,17 @@ class Planner:
         joint, stack: the traced step (concrete shapes) and its layer stack.
         predict: ``predict(schedule) -> MemoryReport`` of the rewritten step (e.g.
             ``sweep.Session.report``).
+        model: the model the chain costs are calibrated from (default:
+            ``SymbolicModel.from_joint(joint, stack)``; ``layer_reuse.ReusedLayersModel``
+            for a stack analysed from a template). Its ``num_layers`` is the L planned for.
     """
 
-    def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Schedule], MemoryReport]):
+    def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Schedule], MemoryReport],
+                 model: SymbolicModel | None = None):
         self.joint, self.stack = joint, stack
         self._predict = predict
-        self.model = SymbolicModel.from_joint(joint, stack)
+        self.model = model if model is not None else SymbolicModel.from_joint(joint, stack)
+        self.num_layers = self.model.num_layers
         t0 = time.perf_counter()
         self.costs = self.model.chain_costs()
         self.calibrate_s = time.perf_counter() - t0

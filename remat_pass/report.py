@@ -51,14 +51,15 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
     return [
         [
             r.provenance,
-            mib(r.predicted_peak_bytes) if r.grads_match else "-",
+            mib(r.predicted_peak_bytes) if r.grads_match or r.predicted_only else "-",
             mib(r.measured_peak_bytes) if r.grads_match else "-",
             f"{100 * r.error_fraction:+.2f}" if r.grads_match else "-",
             _saving(r),
             mib(r.saved_activation_bytes),
             f"{100 * r.recompute_fraction:.1f}",
             where(r.peak_phase, r.peak_layer),
-            "yes" if r.grads_equal else ("within" if r.grads_within_run_to_run else "NO"),
+            ("predicted only" if r.predicted_only else "yes" if r.grads_equal
+             else "within" if r.grads_within_run_to_run else "NO"),
             f"{r.pass_time_s:.3f}",
         ]
         for r in results
@@ -66,7 +67,7 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
 
 
 def _saving(r: ScheduleResult) -> str:
-    if not r.grads_match or r.peak_saving_vs_none_bytes is None:
+    if not (r.grads_match or r.predicted_only) or r.peak_saving_vs_none_bytes is None:
         return "-"
     if r.schedule != "none" and r.peak_saving_vs_none_bytes <= 0:
         return "saves nothing" if r.peak_saving_vs_none_bytes == 0 else f"+{mib(-r.peak_saving_vs_none_bytes)}"
@@ -487,9 +488,11 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
         f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
         f"chain model {p.model_peak_bytes}",
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
-         if measured is not None else "measured peak      - (not reported: the gradients differ)"),
+         if measured is not None else "measured peak      - (predicted only: nothing was run)" if result.predicted_only
+         else "measured peak      - (not reported: the gradients differ)"),
         f"recompute          {p.recompute_flops} FLOPs = {100 * p.recompute_fraction:.1f} % of forward",
-        f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the un-rewritten step",
+        (f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the "
+         "un-rewritten step" if not result.predicted_only else "gradients          - (predicted only: nothing was run)"),
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)}, none)",
         f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
         f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; calibration "

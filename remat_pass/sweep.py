@@ -10,22 +10,28 @@ whose order depends on thread timing: transformers' Mixtral experts on 2 threads
 a schedule's gradients are not bitwise equal to the reference, the un-rewritten step is
 run again with the same seed. If it does not reproduce itself either, it is run
 ``REFERENCE_RUNS`` times, and each gradient is compared with the largest difference
-observed between those runs of the un-rewritten step (per gradient, so a gradient that is reproducible must still be
-equal), and the result says so (``grads_within_run_to_run``).
+observed between those runs of the un-rewritten step (per gradient, so a gradient that
+is reproducible must still be equal), and the result says so (``grads_within_run_to_run``).
+
+A step without weights (a fake trace: a model on the meta device, or predicted for a
+device this machine does not have) is predicted only: its results say so
+(``predicted_only``) and carry no measured figure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
 from . import schedule as schedules
 from .calibration import CalibrationOptions, Calibrator
-from .errors import GradientMismatch
+from .errors import GradientMismatch, RematError
 from .costs import bytes_moved
+from .fake_trace import has_no_data, trace_joint_fake
 from .liveness import MemoryReport, analyze
 from .memory_model import MemoryModel
 from .measure import (
@@ -57,15 +63,17 @@ class ScheduleResult:
         recompute_num_layers: K (uniform) or N (block); None otherwise.
         provenance: e.g. ``"uniform(K=4)"``.
         predicted_peak_bytes, measured_peak_bytes: activation peaks; None when the
-            gradients differ (a peak is never reported next to wrong gradients).
-        error_fraction: (predicted - measured) / measured.
+            gradients differ (a peak is never reported next to wrong gradients);
+            ``measured_peak_bytes`` is None for a predicted-only result.
+        error_fraction: (predicted - measured) / measured (None: predicted only).
         peak_saving_vs_none_bytes: predicted peak of ``none`` minus this one (0: the
             schedule saves nothing).
         saved_activation_bytes: bytes forward saves for backward.
         recompute_flops, forward_flops: FLOPs (torch.utils.flop_counter formulas).
         peak_phase, peak_layer, peak_node: where the predicted peak is.
         live_at_peak_by_layer: predicted bytes live at the peak, per layer / "outer".
-        grads_equal: rewritten gradients bitwise equal to the un-rewritten joint graph's.
+        grads_equal: rewritten gradients bitwise equal to the un-rewritten joint graph's
+            (None: predicted only, nothing was run).
         max_grad_diff_vs_eager: largest |difference| from eager autograd's parameter
             gradients (float rounding of the traced ops; not a correctness check).
         pass_time_s: seconds for rewrite + liveness.
@@ -85,6 +93,11 @@ class ScheduleResult:
         recomputed_nodes: how many forward nodes backward recomputes.
         recompute_bytes_moved: bytes the recomputed nodes read and write
             (``costs.bytes_moved``; their FLOPs are ``recompute_flops``).
+        predicted_only: nothing was run (no weights, or another device): every figure
+            is a prediction.
+        static_bytes: static memory (parameters, buffers, batch, optimizer states,
+            master weights, workspaces) when known (``static_memory``), else None.
+        static: its parts (``StaticMemory.to_dict``), or None.
     """
 
     schedule: str
@@ -92,7 +105,7 @@ class ScheduleResult:
     provenance: str
     predicted_peak_bytes: int | None
     measured_peak_bytes: int | None
-    error_fraction: float
+    error_fraction: float | None
     peak_saving_vs_none_bytes: int | None
     saved_activation_bytes: int
     recompute_flops: int
@@ -101,8 +114,8 @@ class ScheduleResult:
     peak_layer: int | None
     peak_node: str
     live_at_peak_by_layer: dict[str, int]
-    grads_equal: bool
-    max_grad_diff_vs_eager: float
+    grads_equal: bool | None
+    max_grad_diff_vs_eager: float | None
     pass_time_s: float
     measure_time_s: float
     policy: str | None = None
@@ -126,6 +139,9 @@ class ScheduleResult:
             return (f"within run-to-run: differ by {self.max_grad_diff_vs_reference:.2g}, the un-rewritten step "
                     f"by {self.run_to_run_grad_diff:.2g} between its own runs (backward not bitwise reproducible)")
         return f"DIFFER by {self.max_grad_diff_vs_reference:.2g}"
+    predicted_only: bool = False
+    static_bytes: int | None = None
+    static: dict[str, Any] | None = None
 
     @property
     def recompute_fraction(self) -> float:
@@ -177,24 +193,44 @@ class Session:
         layers: str | Sequence[str] | None = None,
         seed: int = 0,
         calibration: CalibrationOptions | None = CalibrationOptions(),
+        fake: bool = False,
+        kernels: Callable[[], ContextManager[Any]] | None = None,
     ) -> "Session":
         """Trace the step and find the layer stacks (``layers``: a module path, several,
         or None to find every stack; see ``regions.find_layer_stacks``).
 
+        A model whose parameters, buffers or inputs are meta or fake tensors is traced
+        with ``fake_trace.trace_joint_fake`` (predicted only), as is any model when
+        ``fake``.
+
         Args:
             calibration: how op scratch is calibrated on this machine (the default
                 caches figures under ``~/.cache/remat-pass``); None: the formula table
-                only (``memory_model``).
+                only (``memory_model``). A fake step is never calibrated (its shapes
+                may not fit this machine): the formula table only.
+            fake: trace with fake tensors even if the model has weights (to predict for
+                another device: the trace then runs under ``kernels``).
+            kernels: a context manager factory active while tracing a fake step
+                (``cuda_target.CudaKernels`` for the CUDA target).
 
         Raises:
-            LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint and
-                assign_layers.
+            LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint,
+                trace_joint_fake and assign_layers.
         """
         find_layer_stacks(model, layers)  # fail before tracing when there is none
-        joint = trace_joint(model, example_inputs, loss_fn)
+        if fake or has_no_data(model, example_inputs):
+            with (kernels or contextlib.nullcontext)():
+                joint = trace_joint_fake(model, example_inputs, loss_fn)
+        else:
+            joint = trace_joint(model, example_inputs, loss_fn)
         stack = assign_layers(joint, layers)
-        calibrator = Calibrator(calibration) if calibration is not None else None
+        calibrator = Calibrator(calibration) if calibration is not None and not joint.fake else None
         return cls(joint, stack, example_inputs, loss_fn, seed, calibrator)
+
+    @property
+    def predicted_only(self) -> bool:
+        """The step has no weights (a fake trace): it can be predicted, not run."""
+        return self.joint.fake
 
     @property
     def reference_grads(self) -> list[Any]:
@@ -293,7 +329,12 @@ class Session:
             GradientMismatch: (strict) the rewritten step's gradients are not bitwise
                 equal to the un-rewritten joint graph's, nor within its run-to-run
                 difference; no peak is reported for it.
+            RematError: the step is predicted only (``predict`` it instead).
         """
+        if self.predicted_only:
+            raise RematError(
+                f"{schedule.provenance}: this step was traced without weights (meta or fake tensors, or for "
+                "another device), so it can be predicted but not run or measured; use predict()")
         step, report, pass_s = self.prepare(schedule)
         t0 = time.perf_counter()
         m = measure_step(step, self.joint, seed=self.seed)
@@ -354,11 +395,26 @@ class Session:
         return within, max(diffs, default=0.0), max(noise, default=0.0)
 
 
-    def baseline_peak_bytes(self) -> int:
-        """Predicted peak of ``none`` (cached)."""
+    def baseline_peak_bytes(self, allocator: str = "cpu") -> int:
+        """Predicted peak of ``none`` (cached for the CPU allocator)."""
+        if allocator != "cpu":
+            return self.prepare(schedules.none(self.stack.layers_per_stack), allocator)[1].peak_bytes
         if self._none_peak is None:
             self._none_peak = self.prepare(schedules.none(self.stack.layers_per_stack))[1].peak_bytes
         return self._none_peak
+
+    def predict(self, schedule: Schedule | Partition, allocator: str = "cpu", none_peak_bytes: int | None = None) -> ScheduleResult:
+        """The predicted-only result of ``schedule`` (nothing runs).
+
+        Args:
+            allocator: "cpu" or "cuda" (``liveness.analyze``).
+            none_peak_bytes: the predicted peak of ``none`` under that allocator, when
+                the caller has it (saves a rewrite).
+        """
+        t0 = time.perf_counter()
+        report = self.report(schedule, allocator)
+        none_peak = none_peak_bytes if none_peak_bytes is not None else self.baseline_peak_bytes(allocator)
+        return predicted_result(schedule, report, none_peak, time.perf_counter() - t0)
 
     def check_grads(self, schedule: Schedule | Partition, grads: list[Any]) -> None:
         """Raise GradientMismatch unless ``grads`` equal the reference bit for bit.
@@ -380,6 +436,41 @@ class Session:
                     "its peak is not reported"
                 )
         raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
+
+
+def predicted_result(schedule: Schedule | Partition, report: MemoryReport, none_peak_bytes: int,
+                     pass_time_s: float, static: Any = None) -> ScheduleResult:
+    """A predicted-only ScheduleResult from a MemoryReport (no run, no gradients).
+
+    Args:
+        schedule: a Schedule, or a Partition (an op-level policy on its layer schedule).
+        static: the step's ``static_memory.StaticMemory`` (None: unknown).
+    """
+    layer_level = schedule if isinstance(schedule, Schedule) else schedule.schedule
+    return ScheduleResult(
+        schedule=layer_level.method if layer_level is not None else "none",
+        recompute_num_layers=layer_level.recompute_num_layers if layer_level is not None else None,
+        provenance=schedule.provenance,
+        policy=None if isinstance(schedule, Schedule) else schedule.policy,
+        predicted_peak_bytes=report.peak_bytes,
+        measured_peak_bytes=None,
+        error_fraction=None,
+        peak_saving_vs_none_bytes=none_peak_bytes - report.peak_bytes,
+        saved_activation_bytes=report.saved_activation_bytes,
+        recompute_flops=report.recompute_flops,
+        forward_flops=report.forward_flops,
+        peak_phase=report.peak_phase,
+        peak_layer=report.peak_layer,
+        peak_node=report.peak_node,
+        live_at_peak_by_layer=report.live_at_peak_by_layer,
+        grads_equal=None,
+        max_grad_diff_vs_eager=None,
+        pass_time_s=pass_time_s,
+        measure_time_s=0.0,
+        predicted_only=True,
+        static_bytes=None if static is None else static.total_bytes,
+        static=None if static is None else static.to_dict(),
+    )
 
 
 def sweep(

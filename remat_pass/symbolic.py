@@ -43,6 +43,7 @@ from solvers.poly import Poly, max_value, pareto_max
 from . import schedule as schedules
 from .costs import node_flops, storage_nbytes, transient_bytes
 from .errors import RematError
+from .fake_trace import has_no_data, trace_joint_fake
 from .liveness import live_intervals, live_timeline
 from .regions import LayerStack, assign_layers
 from .rewrite import RewrittenStep, rewrite
@@ -582,10 +583,16 @@ def trace_symbolic(
         layers: module path of the layer stack, or paths of several (found
             automatically when None).
 
+    A model without weights (meta or fake tensors) is traced with
+    ``fake_trace.trace_joint_fake``.
+
     Raises:
         UnsupportedGraph: the model specializes a named size (see ``trace_joint``).
     """
-    joint = trace_joint(model, example_inputs, loss_fn, symbols=symbols)
+    if has_no_data(model, example_inputs):
+        joint = trace_joint_fake(model, example_inputs, loss_fn, symbols=symbols)
+    else:
+        joint = trace_joint(model, example_inputs, loss_fn, symbols=symbols)
     return SymbolicModel.from_joint(joint, layers=layers)
 
 

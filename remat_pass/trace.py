@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, tracing
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -60,6 +61,10 @@ class JointGraph:
             used for the input dimensions given that name (``(s0, s2)``); empty for a
             concrete trace.
         shape_env: the ShapeEnv of a symbolic trace (None for a concrete trace).
+        fake: ``primal_values`` and ``tangent_values`` are FakeTensors (a model without
+            weights: built on the meta device, under FakeTensorMode or from a config).
+            The step can be rewritten and analysed, never run: every figure is
+            predicted only.
     """
 
     gm: fx.GraphModule
@@ -73,6 +78,7 @@ class JointGraph:
     model: torch.nn.Module | None
     symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
     shape_env: Any = None
+    fake: bool = False
 
     @property
     def num_params(self) -> int:
@@ -216,6 +222,80 @@ def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     return loss
 
 
+@dataclasses.dataclass
+class FlatStep:
+    """One training step as a function of flat tensors, what AOTAutograd traces.
+
+    Attributes:
+        fn: ``fn(*primals) -> scalar loss``; the primals are the parameters, then the
+            buffers, then the tensors of the example inputs, bound into the model by
+            identity (``bind_tensors``) while it runs.
+        primal_values: the tensors that were flattened, in that order.
+        primal_kinds: "param", "buffer" or "input" for each primal.
+        primal_labels: the parameter / buffer name or "input[i]" / "input[key]".
+        arg_spec, kwarg_spec: the example inputs with each tensor replaced by
+            ``("__tensor__", i)`` (i: its index among the input tensors).
+        num_params_buffers: how many primals are parameters and buffers.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    primal_values: list[torch.Tensor]
+    primal_kinds: list[str]
+    primal_labels: list[str]
+    arg_spec: list[Any]
+    kwarg_spec: dict[str, Any]
+    num_params_buffers: int
+
+
+def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | None) -> FlatStep:
+    """``loss_fn(model(*example_inputs))`` as a function of flat primals (see FlatStep).
+
+    Raises:
+        TypeError: ``example_inputs`` is not a Tensor, tuple / list or dict.
+    """
+    args, kwargs = _split_inputs(example_inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    originals = [*params.values(), *buffers.values()]
+    flat_inputs: list[torch.Tensor] = []
+    labels: list[str] = []
+
+    def _collect(x: Any, label: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            flat_inputs.append(x)
+            labels.append(label)
+            return ("__tensor__", len(flat_inputs) - 1)
+        return x
+
+    arg_spec = [_collect(a, f"input[{i}]") for i, a in enumerate(args)]
+    kwarg_spec = {k: _collect(v, f"input[{k}]") for k, v in kwargs.items()}
+    n_p, n_b = len(params), len(buffers)
+
+    def _fill(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
+        if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__":
+            return tensors[spec[1]]
+        return spec
+
+    def step(*flat: torch.Tensor) -> torch.Tensor:
+        ins = flat[n_p + n_b :]
+        a = tuple(_fill(s, ins) for s in arg_spec)
+        k = {key: _fill(s, ins) for key, s in kwarg_spec.items()}
+        bound = {id(t): v for t, v in zip(originals, flat)}
+        with record_module_stack(model), bind_tensors(model, bound):
+            out = model(*a, **k)
+        return extract_loss(out, loss_fn)
+
+    return FlatStep(
+        fn=step,
+        primal_values=[*params.values(), *buffers.values(), *flat_inputs],
+        primal_kinds=["param"] * n_p + ["buffer"] * n_b + ["input"] * len(flat_inputs),
+        primal_labels=[*params, *buffers, *labels],
+        arg_spec=arg_spec,
+        kwarg_spec=kwarg_spec,
+        num_params_buffers=n_p + n_b,
+    )
+
+
 def trace_joint(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -241,11 +321,17 @@ def trace_joint(
             concrete shape, so keep every shape-carrying tensor among the inputs.
 
     Returns:
-        The JointGraph (AOTAutograd's joint graph before partitioning).
+        The JointGraph (AOTAutograd's joint graph before partitioning). A model built
+        under ``FakeTensorMode`` (FakeTensor parameters) traces too; its JointGraph has
+        ``fake=True`` (predicted, never run).
 
     Raises:
         UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
             running statistics) or returns aliases of its inputs.
+        UnsupportedGraph: no gradient reaches any parameter or input (the joint graph
+            would be the forward alone).
+        UnsupportedGraph: a parameter, buffer or input is on the meta device: trace it
+            with ``fake_trace.trace_joint_fake`` (``sweep.Session.create`` does).
         RematError: no scalar loss.
         ValueError: a ``symbols`` entry names no tensor input or dimension.
         UnsupportedGraph: the step specializes a symbol to one value (code that
@@ -257,54 +343,75 @@ def trace_joint(
         >>> j.primals[:2], j.num_fwd_outputs
         (['primals_1', 'primals_2'], 1)
     """
-    args, kwargs = _split_inputs(example_inputs)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    originals = [*params.values(), *buffers.values()]
-    flat_inputs: list[torch.Tensor] = []
-    labels: list[str] = []
-
-    def _collect(x: Any, label: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            flat_inputs.append(x)
-            labels.append(label)
-            return ("__tensor__", len(flat_inputs) - 1)
-        return x
-
-    arg_spec = [_collect(a, f"input[{i}]") for i, a in enumerate(args)]
-    kwarg_spec = {k: _collect(v, f"input[{k}]") for k, v in kwargs.items()}
-    n_p, n_b = len(params), len(buffers)
-    primal_values = [*params.values(), *buffers.values(), *flat_inputs]
-    primal_kinds = ["param"] * n_p + ["buffer"] * n_b + ["input"] * len(flat_inputs)
-    primal_labels = [*params, *buffers, *labels]
-
-    def _fill(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
-        if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__":
-            return tensors[spec[1]]
-        return spec
-
-    def step(*flat: torch.Tensor) -> torch.Tensor:
-        ins = flat[n_p + n_b :]
-        a = tuple(_fill(s, ins) for s in arg_spec)
-        k = {key: _fill(s, ins) for key, s in kwarg_spec.items()}
-        bound = {id(t): v for t, v in zip(originals, flat)}
-        with record_module_stack(model), bind_tensors(model, bound):
-            out = model(*a, **k)
-        return extract_loss(out, loss_fn)
-
-    trace_values: list[Any] = list(primal_values)
+    flat = flatten_step(model, example_inputs, loss_fn)
+    refuse_meta_tensors(flat)
+    trace_values: list[Any] = list(flat.primal_values)
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
     shape_env = None
     if symbols:
-        trace_values, dims_of_symbol, shape_env = _symbolic_inputs(
-            symbols, primal_values, n_p + n_b, arg_spec, kwarg_spec
-        )
+        dynamic, dims_of_symbol = dynamic_dims(symbols, flat)
+        shape_env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+        trace_values = _symbolic_fakes(mode, flat.primal_values, dynamic)
+    fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
     try:
-        joint, num_fwd_outputs = _capture_joint(step, trace_values, dynamic=bool(symbols))
+        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=bool(symbols))
     except UnsupportedGraph as e:
-        if isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
-            _explain_untraceable(step, primal_values, e)
+        if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+            _explain_untraceable(flat.fn, flat.primal_values, e)
         raise
+    return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
+                       fake=fake)
+
+
+def refuse_meta_tensors(flat: FlatStep) -> None:
+    """Raise when a primal is a plain tensor on the meta device.
+
+    AOTAutograd would make it a FakeTensor on device ``meta``, where ops that have a
+    Python meta decomposition (``aten::nll_loss``, ``dropout``, ...) lose their autograd
+    kernel: the joint graph silently comes out without its backward.
+
+    Raises:
+        UnsupportedGraph: names the first meta primal and the function to use instead.
+    """
+    for label, v in zip(flat.primal_labels, flat.primal_values):
+        if v.is_meta and not isinstance(v, FakeTensor):
+            raise UnsupportedGraph(
+                f"{label} is on the meta device; trace_joint needs real or fake tensors. "
+                "Trace a model without weights with remat_pass.trace_joint_fake (it makes fake "
+                "tensors on the target device; Session.create and the command line's --meta do this)"
+            )
+
+
+def joint_graph(
+    flat: FlatStep,
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    model: torch.nn.Module,
+    trace_values: Sequence[Any],
+    dims_of_symbol: Mapping[str, list[tuple[int, int]]],
+    shape_env: Any,
+    primal_values: Sequence[torch.Tensor] | None = None,
+    fake: bool = False,
+) -> JointGraph:
+    """The JointGraph of a captured joint graph, after checking it is a training step.
+
+    Args:
+        flat: the flattened step that was traced.
+        joint, num_fwd_outputs: what ``capture_joint`` returned.
+        model: the traced module.
+        trace_values: the values the primals were traced with.
+        dims_of_symbol, shape_env: the symbolic trace's named dimensions and ShapeEnv
+            (empty / None for concrete shapes).
+        primal_values: the values to keep as ``JointGraph.primal_values`` (default:
+            ``flat.primal_values``).
+        fake: the primal values are FakeTensors; the tangents are then the fake values of
+            the tangent placeholders instead of real ``ones``.
+
+    Raises:
+        UnsupportedGraph: more than one forward output, primals lost, or no gradient
+            at all (see ``trace_joint``); a named size specialized.
+    """
     if num_fwd_outputs != 1:
         raise UnsupportedGraph(
             f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
@@ -312,34 +419,53 @@ def trace_joint(
             "statistics in train mode) or returns an alias of an input. Put such layers "
             "in eval mode or remove the mutation."
         )
+    values = list(flat.primal_values if primal_values is None else primal_values)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
     tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
-    if len(primals) != len(primal_values):
+    if len(primals) != len(values):
         raise UnsupportedGraph(
-            f"the joint graph has {len(primals)} primals for {len(primal_values)} inputs"
+            f"the joint graph has {len(primals)} primals for {len(values)} inputs"
         )
-    tangent_values = _tangent_values(joint, tangents)
-    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, primal_labels)
+    grads = list(joint.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
+    if not any(isinstance(g, fx.Node) for g in grads):
+        raise UnsupportedGraph(
+            "the joint graph has no backward: no gradient reaches any parameter or input, "
+            "so it is not a training step. Make sure the loss depends on parameters that "
+            "require grad (a model on the meta device must be traced with trace_joint_fake)"
+        )
+    if fake:
+        tangent_values = [joint.graph.find_nodes(op="placeholder", target=t)[0].meta["val"] for t in tangents]
+    else:
+        tangent_values = _tangent_values(joint, tangents)
+    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
     return JointGraph(
         gm=joint,
         primals=primals,
         tangents=tangents,
         num_fwd_outputs=num_fwd_outputs,
-        primal_values=primal_values,
-        primal_kinds=primal_kinds,
-        primal_labels=primal_labels,
+        primal_values=values,
+        primal_kinds=list(flat.primal_kinds),
+        primal_labels=list(flat.primal_labels),
         tangent_values=tangent_values,
         model=model,
         symbols=named_symbols,
         shape_env=shape_env,
+        fake=fake,
     )
 
 
-def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
-                   dynamic: bool) -> tuple[fx.GraphModule, int]:
+def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
+                  dynamic: bool, fake_mode: FakeTensorMode | None = None) -> tuple[fx.GraphModule, int]:
     """AOTAutograd's joint graph of ``step`` at ``trace_values`` and its number of
     forward outputs (the partition function stops AOTAutograd once it has them).
+
+    Args:
+        step: the flat step (``FlatStep.fn``).
+        trace_values: real tensors, or FakeTensors of one mode.
+        dynamic: a symbolic trace (its fakes bring their own mode and ShapeEnv).
+        fake_mode: the mode of fake ``trace_values`` for a concrete trace (default: a
+            new mode, in which AOTAutograd fakes real tensors).
 
     Raises:
         UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
@@ -354,7 +480,7 @@ def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any
     compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
                             partition_fn=capture, dynamic=dynamic)
     # Tensors the model or loss_fn close over (targets, masks) become graph constants.
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     try:
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
@@ -367,7 +493,7 @@ def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any
         raise UnsupportedGraph(
             "the training step depends on tensor values (.item(), a Python branch on a "
             "tensor, boolean-mask indexing or another op whose output shape depends on "
-            f"data: {type(e).__name__}), so it cannot be traced into one static graph. "
+            f"data: {type(e).__name__}: {e}), so it cannot be traced into one static graph. "
             "Make the step shape-static, or keep that code outside the traced model."
         ) from e
     except (RuntimeError, NotImplementedError) as e:
@@ -501,24 +627,19 @@ def _named_symbols(dims_of_symbol: Mapping[str, list[tuple[int, int]]], trace_va
     return named
 
 
-def _symbolic_inputs(
-    symbols: Mapping[str, Any],
-    primal_values: list[torch.Tensor],
-    num_params_buffers: int,
-    arg_spec: list,
-    kwarg_spec: dict,
-) -> tuple[list[Any], dict[str, list[tuple[int, int]]], Any]:
-    """Fake primals for a symbolic trace: parameters and buffers static, the named input
-    dimensions dynamic (one fresh symbol each; AOTAutograd's guards unify the dimensions
-    of one name). Returns ``(fake primals, name -> [(flat index, dim)], shape_env)``."""
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatelessSymbolicContext,
-    )
+def dynamic_dims(symbols: Mapping[str, Any], flat: FlatStep) -> tuple[dict[int, set[int]], dict[str, list[tuple[int, int]]]]:
+    """The primal dimensions a symbolic trace makes dynamic.
 
+    Returns:
+        ``(flat index -> dynamic dims, name -> [(flat index, dim)])``.
+
+    Raises:
+        ValueError: an entry names no tensor input, no dimension of it, or a dimension
+            whose example size is below 2.
+    """
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
     dynamic: dict[int, set[int]] = {}
+    arg_spec, kwarg_spec = flat.arg_spec, flat.kwarg_spec
     for name, entries in symbols.items():
         if isinstance(entries, tuple) and len(entries) == 2 and isinstance(entries[1], int):
             entries = [entries]
@@ -533,8 +654,8 @@ def _symbolic_inputs(
                     f"positions {[i for i, a in enumerate(arg_spec) if isinstance(a, tuple)]} "
                     f"and keywords {[k for k, a in kwarg_spec.items() if isinstance(a, tuple)]}"
                 )
-            flat_index = num_params_buffers + spec[1]
-            value = primal_values[flat_index]
+            flat_index = flat.num_params_buffers + spec[1]
+            value = flat.primal_values[flat_index]
             if not 0 <= dim < value.dim():
                 raise ValueError(
                     f"symbol {name!r}: input {key!r} has {value.dim()} dimensions, no dimension {dim}"
@@ -546,21 +667,29 @@ def _symbolic_inputs(
                 )
             dims_of_symbol[name].append((flat_index, dim))
             dynamic.setdefault(flat_index, set()).add(dim)
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    return dynamic, dims_of_symbol
+
+
+def symbolic_context(value: torch.Tensor, dims: set[int]) -> StatelessSymbolicContext:
+    """The context that makes dimensions ``dims`` of ``value`` fresh symbols."""
+    return StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+    )
+
+
+def _symbolic_fakes(mode: FakeTensorMode, primal_values: Sequence[torch.Tensor],
+                    dynamic: Mapping[int, set[int]]) -> list[Any]:
+    """Fake primals for a symbolic trace: parameters and buffers static, the named input
+    dimensions dynamic (one fresh symbol each; AOTAutograd's guards unify the dimensions
+    of one name)."""
     fakes: list[Any] = []
     memo: dict[int, Any] = {}
     for i, v in enumerate(primal_values):
         if i in dynamic:
-            ctx = StatelessSymbolicContext(
-                dynamic_sizes=[
-                    DimDynamic.DYNAMIC if d in dynamic[i] else DimDynamic.STATIC
-                    for d in range(v.dim())
-                ]
-            )
-            fake = memo[id(v)] if id(v) in memo else mode.from_tensor(v, symbolic_context=ctx)
+            fake = memo[id(v)] if id(v) in memo else mode.from_tensor(
+                v, symbolic_context=symbolic_context(v, dynamic[i]))
         else:
             fake = mode.from_tensor(v, static_shapes=True)
         memo.setdefault(id(v), fake)
         fakes.append(fake)
-    return fakes, dims_of_symbol, shape_env
+    return fakes

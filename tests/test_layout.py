@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = [
     "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
     "solvers",
-    "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.op_signature",
-    "remat_pass.scratch_table", "remat_pass.memory_model", "remat_pass.trace",
+    "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.cuda_target",
+    "remat_pass.static_memory", "remat_pass.op_signature",
+    "remat_pass.scratch_table", "remat_pass.memory_model", "remat_pass.trace", "remat_pass.fake_trace",
     "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
     "remat_pass.liveness", "remat_pass.measure", "remat_pass.calibration", "remat_pass.sweep", "remat_pass.symbolic",
-    "remat_pass.planner", "remat_pass.op_planner", "remat_pass.report", "remat_pass.inspection", "remat_pass.plot",
+    "remat_pass.layer_reuse", "remat_pass.planner", "remat_pass.op_planner", "remat_pass.report", "remat_pass.inspection",
+    "remat_pass.plot",
     "remat_pass.gate", "remat_pass.compiled_graphs", "remat_pass.graph_transforms", "remat_pass.backend_options",
     "remat_pass.backend",
-    "remat_pass.models", "remat_pass.hf_families", "remat_pass.cli", "remat_pass.pytest_plugin", "remat_pass",
+    "remat_pass.models", "remat_pass.hf_families", "remat_pass.configs",
+    "remat_pass.workload", "remat_pass.cli", "remat_pass.pytest_plugin", "remat_pass",
 ]
 
 

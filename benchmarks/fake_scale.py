@@ -1,0 +1,115 @@
+"""Planning a model that does not fit this machine: time and memory of every Megatron
+schedule and an optimized plan for a Llama-2-70B config (80 layers, hidden 8192,
+seq 4096, micro-batch 1, bf16, target cuda), predicted from a 4-layer trace.
+
+    python benchmarks/fake_scale.py [--config examples/configs/llama2-70b.json]
+        [--device-memory 80GiB] [--optimizer adamw] [--json out.json]
+
+Prints wall and CPU seconds per stage and the peak RSS of the process
+(``resource.getrusage``), then the predicted peaks of a few schedules and the plan.
+The goal (issue 11): under 60 s and 4 GiB of RSS on the project's 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from remat_pass import schedule as schedules  # noqa: E402
+from remat_pass.errors import InfeasibleBudget, RematError  # noqa: E402
+from remat_pass.formatting import fmt_bytes, parse_bytes  # noqa: E402
+from remat_pass.workload import WorkloadOptions, load_workload  # noqa: E402
+
+
+def rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux: ru_maxrss is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples/configs/llama2-70b.json"))
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--target", default="cuda")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--master-weights", action="store_true")
+    p.add_argument("--device-memory", default="80GiB")
+    p.add_argument("--json", help="write the figures as JSON")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict = {"config": args.config, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+                 "target": args.target, "rss_start_bytes": rss_bytes()}
+    w0, c0 = time.perf_counter(), time.process_time()
+    w = load_workload(WorkloadOptions(config=args.config, meta=True, dtype=args.dtype, target=args.target,
+                                      batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                                      master_weights=args.master_weights, device_memory=args.device_memory))
+    out["trace_wall_s"], out["trace_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
+    w1, c1 = time.perf_counter(), time.process_time()
+    todo = schedules.megatron_schedules(w.num_layers)
+    peaks = {s.provenance: w.report(s).peak_bytes for s in todo}
+    out["schedules"] = len(todo)
+    out["sweep_wall_s"], out["sweep_cpu_s"] = time.perf_counter() - w1, time.process_time() - c1
+    w2, c2 = time.perf_counter(), time.process_time()
+    device = parse_bytes(args.device_memory)
+    try:
+        budget = w.activation_budget()
+        out["budget_from"] = "device memory minus static memory"
+    except RematError as e:
+        # 70B: the bf16 parameters alone (128.5 GiB) exceed an 80 GiB device
+        print(f"--device-memory {args.device_memory}: {e}")
+        budget = device
+        out["budget_from"] = "the device memory as an activation budget (static memory does not fit)"
+    planner = w.planner()
+    out["device_plan"] = None
+    try:
+        plan = planner.plan(budget)
+        out["device_plan"] = plan.describe()
+    except InfeasibleBudget as e:
+        print(f"plan for {fmt_bytes(budget)} of activations: {e}")
+        out["device_plan_error"] = str(e)
+        # a budget the stack can meet, halfway between the least feasible peak and none's
+        least, none_peak = e.least_feasible_peak_bytes, peaks[schedules.none(w.num_layers).provenance]
+        budget = least + (none_peak - least) // 2
+        out["budget_from"] = "halfway between the least feasible peak and none's (the device budget is infeasible)"
+        plan = planner.plan(budget)
+    out["plan_wall_s"], out["plan_cpu_s"] = time.perf_counter() - w2, time.process_time() - c2
+    out["total_wall_s"], out["total_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
+    out["rss_peak_bytes"] = rss_bytes()
+    out["templates_rewritten"] = len(w.reuse.templates) if w.reuse is not None else 0
+    out["num_layers"] = w.num_layers
+    out["static"] = w.static.to_dict()
+    out["activation_budget_bytes"] = budget
+    out["plan"] = {"schedule": plan.describe(), "predicted_peak_bytes": plan.predicted_peak_bytes,
+                   "recompute_fraction": plan.recompute_fraction, "resolves": plan.resolves}
+    out["peaks"] = peaks
+    out["loadavg"] = open("/proc/loadavg").read().split()[:3]
+    L = w.num_layers
+    print(f"{w.description}")
+    print(f"trace {out['trace_wall_s']:.1f} s wall / {out['trace_cpu_s']:.1f} s CPU; "
+          f"{len(todo)} Megatron schedules {out['sweep_wall_s']:.1f} / {out['sweep_cpu_s']:.1f} s; "
+          f"plan {out['plan_wall_s']:.1f} / {out['plan_cpu_s']:.1f} s; "
+          f"total {out['total_wall_s']:.1f} s wall / {out['total_cpu_s']:.1f} s CPU; "
+          f"peak RSS {fmt_bytes(out['rss_peak_bytes'])} (load average {' '.join(out['loadavg'])})")
+    print(f"static {fmt_bytes(w.static.total_bytes)}; activation budget {fmt_bytes(budget)} ({out['budget_from']})")
+    for s in (schedules.none(L), schedules.uniform(1, L), schedules.uniform(2, L), schedules.uniform(4, L),
+              schedules.block(L // 4, L), schedules.block(L // 2, L)):
+        print(f"  {s.provenance:14s} {fmt_bytes(peaks[s.provenance])}")
+    print(f"  optimized      {fmt_bytes(plan.predicted_peak_bytes)}  {plan.describe()}  "
+          f"recompute {100 * plan.recompute_fraction:.1f} % of forward")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
