@@ -704,6 +704,11 @@ class ReusedLayersModel(SymbolicModel):
         assert self.reuse is not None
         return self.reuse.num_layers
 
+    @property
+    def layers_per_stack(self) -> tuple[int, ...]:
+        """The analysed stack's L (one stack)."""
+        return (self.reuse.num_layers,)
+
     def profile(self, schedule: Schedule) -> SymbolicStep:
         """The L-layer step's profile (cached)."""
         assert self.reuse is not None

@@ -98,7 +98,7 @@ class Planner:
         self.costs = self.model.chain_costs()
         self.calibrate_s = time.perf_counter() - t0
         self._reports: dict[Schedule, MemoryReport] = {}
-        self.unconstrained_peak_bytes = self.report(schedules.none(stack.layers_per_stack)).peak_bytes
+        self.unconstrained_peak_bytes = self.report(schedules.none(self.model.layers_per_stack)).peak_bytes
         self._least: CheckedPlan | None = None
 
     def report(self, schedule: Schedule) -> MemoryReport:
@@ -111,7 +111,7 @@ class Planner:
         return self.report(self._schedule(sol.groups)).peak_bytes
 
     def _schedule(self, groups: tuple) -> Schedule:
-        return schedules.optimized(groups, self.stack.layers_per_stack)
+        return schedules.optimized(groups, self.model.layers_per_stack)
 
     def least_feasible(self) -> tuple[Schedule, int]:
         """The schedule of least liveness peak the solver finds, and that peak (bytes)."""

@@ -326,6 +326,19 @@ class SymbolicModel:
         """L."""
         return self.stack.num_layers
 
+    @property
+    def layers_per_stack(self) -> tuple[int, ...]:
+        """L of each layer stack in chain order (``LayerStack.layers_per_stack``)."""
+        return self.stack.layers_per_stack
+
+    def _stack_starts(self) -> list[int]:
+        """The first layer of every stack, in chain order."""
+        starts, first = [], 0
+        for n in self.layers_per_stack:
+            starts.append(first)
+            first += n
+        return starts
+
     def symbol(self, name: str) -> sympy.Symbol:
         """The sympy Symbol (positive integer) called ``name``."""
         return self._conv.named[name]
@@ -381,7 +394,7 @@ class SymbolicModel:
         each a list over the layers, and ``outer_saved_bytes``: bytes the outer region
         saves (embedding, head, loss), one expression.
         """
-        L, per_stack = self.num_layers, self.stack.layers_per_stack
+        L, per_stack = self.num_layers, self.layers_per_stack
         none = self.profile(schedules.none(per_stack))
         u1 = self.profile(schedules.uniform(1, per_stack))
         return {
@@ -399,7 +412,7 @@ class SymbolicModel:
         polynomial sets (a Max) per layer, calibrated from the liveness profiles of
         ``none``, ``uniform(1)`` and ``uniform(L)`` (for several stacks: each stack one
         group). See ``chain_costs``."""
-        L, per_stack = self.num_layers, self.stack.layers_per_stack
+        L, per_stack = self.num_layers, self.layers_per_stack
         last = self._last_layers()
         none = self.profile(schedules.none(per_stack))
         u1 = self.profile(schedules.uniform(1, per_stack))
@@ -474,12 +487,12 @@ class SymbolicModel:
             outer_bytes=max_value(polys["outer_bytes"], vals),
             forward_flops=max_value(polys["forward_flops"][0], vals),
             shared_checkpoint_bytes=max_value(polys["shared_checkpoint_bytes"], vals),
-            stack_starts=tuple(s.first_layer for s in self.stack.stacks[1:]),
+            stack_starts=tuple(self._stack_starts()[1:]),
         )
 
     def _last_layers(self) -> set[int]:
         """The last layer of every stack."""
-        return {s.first_layer + s.num_layers - 1 for s in self.stack.stacks}
+        return {first + n - 1 for first, n in zip(self._stack_starts(), self.layers_per_stack)}
 
     # ---------------------------------------------------------------- closed forms
 
