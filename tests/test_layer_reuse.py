@@ -156,3 +156,11 @@ def test_chain_model_from_reused_layers_is_the_full_one():
     (tj, ts), (fj, fs) = traced(gpt2, 4), traced(gpt2, 7)
     reuse = ReusedLayers(tj, ts, 7, "cpu")
     assert ReusedLayersModel.create(reuse).chain_costs() == SymbolicModel.from_joint(fj, fs).chain_costs()
+    # the planner on the template plans the 7-layer stack as the full trace's does
+    from remat_pass.planner import Planner
+
+    reused = Planner(tj, ts, reuse.report, model=ReusedLayersModel.create(reuse))
+    full = Planner(fj, fs, lambda sched: analyze(rewrite(fj, fs, sched), "cpu"))
+    assert reused.least_feasible() == full.least_feasible()
+    budget = (reused.least_feasible()[1] + reused.unconstrained_peak_bytes) // 2
+    assert reused.plan(budget).schedule == full.plan(budget).schedule
