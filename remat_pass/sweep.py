@@ -359,13 +359,7 @@ class Session:
             peak_saving_vs_none_bytes=(
                 self.baseline_peak_bytes() - report.peak_bytes if ok else None
             ),
-            saved_activation_bytes=report.saved_activation_bytes,
-            recompute_flops=report.recompute_flops,
-            forward_flops=report.forward_flops,
-            peak_phase=report.peak_phase,
-            peak_layer=report.peak_layer,
-            peak_node=report.peak_node,
-            live_at_peak_by_layer=report.live_at_peak_by_layer,
+            **_report_fields(report),
             grads_equal=equal,
             max_grad_diff_vs_eager=max_abs_diff(m.grads[:n_params], self.eager_param_grads),
             pass_time_s=pass_s,
@@ -438,6 +432,13 @@ class Session:
         raise GradientMismatch(f"{schedule.provenance}: gradient count differs")
 
 
+def _report_fields(report: MemoryReport) -> dict[str, Any]:
+    """The ScheduleResult fields read off the predicted MemoryReport."""
+    return dict(saved_activation_bytes=report.saved_activation_bytes, recompute_flops=report.recompute_flops,
+                forward_flops=report.forward_flops, peak_phase=report.peak_phase, peak_layer=report.peak_layer,
+                peak_node=report.peak_node, live_at_peak_by_layer=report.live_at_peak_by_layer)
+
+
 def predicted_result(schedule: Schedule | Partition, report: MemoryReport, none_peak_bytes: int,
                      pass_time_s: float, static: Any = None) -> ScheduleResult:
     """A predicted-only ScheduleResult from a MemoryReport (no run, no gradients).
@@ -456,13 +457,7 @@ def predicted_result(schedule: Schedule | Partition, report: MemoryReport, none_
         measured_peak_bytes=None,
         error_fraction=None,
         peak_saving_vs_none_bytes=none_peak_bytes - report.peak_bytes,
-        saved_activation_bytes=report.saved_activation_bytes,
-        recompute_flops=report.recompute_flops,
-        forward_flops=report.forward_flops,
-        peak_phase=report.peak_phase,
-        peak_layer=report.peak_layer,
-        peak_node=report.peak_node,
-        live_at_peak_by_layer=report.live_at_peak_by_layer,
+        **_report_fields(report),
         grads_equal=None,
         max_grad_diff_vs_eager=None,
         pass_time_s=pass_time_s,

@@ -29,6 +29,18 @@ settings.register_profile("long", max_examples=2000, phases=[Phase.explicit, Pha
 settings.load_profile("default")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test module (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): tiny models run faster without OpenMP
+    spin-waits on a shared machine, and the module's measurements do not depend on the
+    machine's core count; the thread count is restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def small_gpt2(layers: int = 3, dropout: float = 0.0, **kw):
     """A tiny transformers GPT-2 (hidden 64, seq 32, vocab 256)."""
     pytest.importorskip("transformers")

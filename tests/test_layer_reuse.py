@@ -31,12 +31,7 @@ from remat_pass.trace import trace_joint
 from conftest import load_hetero, small_tiny_gpt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 def traced(build, layers: int):  # noqa: ANN001, ANN201

@@ -24,12 +24,7 @@ from test_zoo import distinct_schedules
 B, D, C = 5, 12, 7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 class Block(nn.Module):

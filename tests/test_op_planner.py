@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import small_gpt2
 from remat_pass.cli import EXIT_USAGE, main
@@ -18,12 +17,7 @@ from remat_pass.planner import Planner
 from remat_pass.sweep import Session
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 def test_linear_chain_plans_and_refuses_an_infeasible_budget():

@@ -20,12 +20,7 @@ from remat_pass.regions import assign_layers
 from remat_pass.trace import trace_joint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 def decision(joint, stack, schedule):

@@ -24,12 +24,7 @@ from remat_pass.rewrite import rewrite
 from remat_pass.sweep import Session
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 # --------------------------------------------------------------------------- a Megatron-style GPT

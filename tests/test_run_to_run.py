@@ -72,12 +72,7 @@ def jittery_model(batch: int = 4, layers: int = 3):
     return JitteryNet(layers), (x,), lambda y: (y ** 2).mean()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ from test_solvers import all_groupings, random_costs
 from zoo import EncDec, x
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 class DecoderFirst(EncDec):

@@ -11,14 +11,7 @@ from remat_pass.sweep import Session, megatron_schedules
 from zoo import SDPA, ZOO, ZooEntry, stack, x
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP spin-waiting makes these
-    tiny graphs 10-20x slower with the default thread count."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 def distinct_schedules(num_layers: schedules.Layers) -> list[schedules.Schedule]:
