@@ -41,7 +41,7 @@ import dataclasses
 import fnmatch
 import operator
 import re
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -199,24 +199,21 @@ def _core_attention(nodes: list[fx.Node], params: frozenset[fx.Node]) -> set[fx.
 
 def _between(first: fx.Node, last: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:
     """Nodes on a path from ``first`` to ``last`` (both included)."""
-    inside = set(nodes)
-    below: set[fx.Node] = set()
-    todo = [first]
+    below = _reach(first, lambda n: n.users, set(nodes))
+    return _reach(last, lambda n: n.all_input_nodes, below)
+
+
+def _reach(start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]], within: set[fx.Node]) -> set[fx.Node]:
+    """Nodes of ``within`` reachable from ``start`` by ``step(node) -> next nodes``."""
+    seen: set[fx.Node] = set()
+    todo = [start]
     while todo:
         n = todo.pop()
-        if n in below or n not in inside:
+        if n in seen or n not in within:
             continue
-        below.add(n)
-        todo.extend(n.users)
-    above: set[fx.Node] = set()
-    todo = [last]
-    while todo:
-        n = todo.pop()
-        if n in above or n not in below:
-            continue
-        above.add(n)
-        todo.extend(n.all_input_nodes)
-    return above
+        seen.add(n)
+        todo.extend(step(n))
+    return seen
 
 
 def _mlp(ln: LayerNodes, nodes: list[fx.Node], attention: set[fx.Node]) -> set[fx.Node]:
