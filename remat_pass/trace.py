@@ -39,16 +39,27 @@ class JointGraph:
     Attributes:
         gm: the joint GraphModule. Placeholders are ``primals_*`` (one per flat input,
             in the order of ``primal_values``) then ``tangents_*``; the output is a flat
-            list: ``num_fwd_outputs`` forward outputs (the loss) then one gradient per
-            primal (None where the primal does not require grad).
+            list: ``num_fwd_outputs`` forward outputs (the loss, or a pipeline stage's
+            output activation) then one gradient per primal (None where the primal does
+            not require grad, and for opaque primals).
         primals: names of the primal placeholders, in order.
         tangents: names of the tangent placeholders, in order.
-        num_fwd_outputs: number of forward outputs (1: the scalar loss).
-        primal_values: the real tensors fed to the primals: parameters, then buffers,
-            then the tensors of the example inputs.
-        primal_kinds: "param", "buffer" or "input" for each primal.
-        primal_labels: the parameter / buffer name or "input[i]" for each primal.
-        tangent_values: the real tangents (``ones_like(loss)``).
+        num_fwd_outputs: number of forward outputs (1: the scalar loss, or the output
+            activation of a pipeline stage traced with ``output="activation"``).
+        primal_values: the real values fed to the primals: parameters, then buffers,
+            then the tensors of the example inputs. A tensor subclass (a DTensor
+            parameter under tensor parallelism) is flattened as AOTAutograd flattens it
+            (``__tensor_flatten__``): its inner tensors (the local shard) and its
+            opaque attributes (the device mesh) each fill one primal.
+        primal_kinds: "param", "buffer" or "input" for each primal, or "opaque" for a
+            non-tensor attribute of a flattened tensor subclass.
+        primal_labels: the parameter / buffer name or "input[i]" for each primal
+            (``name.attr`` for the parts of a flattened subclass other than the first).
+        tangent_values: the real tangents: ``ones_like(loss)``, or for a stage the
+            incoming gradient of its output activation (``ones`` unless given).
+        output: ``"loss"`` (a whole training step) or ``"activation"`` (a pipeline
+            stage that is not the last: forward output 0 is the activation sent to the
+            next stage and its tangent is the gradient received from it).
         model: the traced module (its parameters are the "param" primals); None for a
             graph that Dynamo captured (the torch.compile backend sees no module, and
             ``primal_values`` / ``tangent_values`` are then its fake example values).
@@ -70,11 +81,19 @@ class JointGraph:
     model: torch.nn.Module | None
     symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
     shape_env: Any = None
+    output: str = "loss"
 
     @property
     def num_params(self) -> int:
-        """Number of primals that are model parameters."""
+        """Number of primals that are model parameters (their indices:
+        ``param_indices``; they are the first primals unless a flattened tensor subclass
+        interleaves opaque primals)."""
         return self.primal_kinds.count("param")
+
+    @property
+    def param_indices(self) -> tuple[int, ...]:
+        """Indices of the primals (and of their gradient outputs) that are parameters."""
+        return tuple(i for i, kind in enumerate(self.primal_kinds) if kind == "param")
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -175,6 +194,33 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     )
 
 
+OUTPUTS = ("loss", "activation")
+
+
+def extract_output(output: Any, loss_fn: LossFn | None, kind: str) -> torch.Tensor:
+    """The traced forward output: the scalar loss (``kind="loss"``, see
+    ``extract_loss``) or a pipeline stage's output activation (``kind="activation"``:
+    ``loss_fn(output)`` when given, else ``output``, which must be one tensor).
+
+    Raises:
+        RematError: no scalar loss, or a stage output that is not one tensor that
+            requires grad.
+        ValueError: ``kind`` is not one of ``OUTPUTS``.
+    """
+    if kind == "loss":
+        return extract_loss(output, loss_fn)
+    if kind != "activation":
+        raise ValueError(f"output={kind!r} is not one of {OUTPUTS}")
+    out = loss_fn(output) if loss_fn is not None else output
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point():
+        raise RematError(
+            "a pipeline stage traced with output='activation' must return one floating-point "
+            f"tensor that requires grad (the activation sent to the next stage); it returned "
+            f"{type(out).__name__}"
+        )
+    return out
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar loss of one model output.
 
@@ -206,6 +252,8 @@ def trace_joint(
     example_inputs: Any,
     loss_fn: LossFn | None = None,
     symbols: Mapping[str, Any] | None = None,
+    output: str = "loss",
+    tangent_values: Sequence[torch.Tensor] | None = None,
 ) -> JointGraph:
     """Trace ``loss = loss_fn(model(*example_inputs)); loss.backward()`` as one joint graph.
 
@@ -224,6 +272,21 @@ def trace_joint(
             sympy expression of the symbols (``JointGraph.symbols`` maps the names).
             Tensors the loss or model build from outside the inputs keep their
             concrete shape, so keep every shape-carrying tensor among the inputs.
+        output: ``"loss"`` (default): the step ends in a scalar loss. ``"activation"``:
+            a pipeline stage that is not the last (GPipe / 1F1B, Huang et al. 2019;
+            Narayanan et al. 2021): the model returns the activation it sends to the
+            next stage (``loss_fn`` may pick it out of the output), its tangent is the
+            gradient that stage sends back, and every example input that requires grad
+            (the activation received from the previous stage) gets a gradient output.
+        tangent_values: with ``output="activation"``, the incoming gradient (one
+            tensor of the output's shape); default ``ones``. Its values matter only for
+            running the step, not for its graph or memory.
+
+    Tensor-subclass parameters (DTensor under ``torch.distributed.tensor.parallel``)
+    are desugared by AOTAutograd into their local shards and opaque attributes (the
+    device mesh); ``primal_values`` is flattened the same way and an opaque primal's
+    gradient output (AOTAutograd returns the placeholder itself) becomes None. The
+    joint graph then holds the rank's local shapes and its functional collectives.
 
     Returns:
         The JointGraph (AOTAutograd's joint graph before partitioning).
@@ -262,6 +325,8 @@ def trace_joint(
     primal_values = [*params.values(), *buffers.values(), *flat_inputs]
     primal_kinds = ["param"] * n_p + ["buffer"] * n_b + ["input"] * len(flat_inputs)
     primal_labels = [*params, *buffers, *labels]
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r} is not one of {OUTPUTS}")
 
     def _fill(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
         if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__":
@@ -275,7 +340,7 @@ def trace_joint(
         bound = {id(t): v for t, v in zip(originals, flat)}
         with record_module_stack(model), bind_tensors(model, bound):
             out = model(*a, **k)
-        return extract_loss(out, loss_fn)
+        return extract_output(out, loss_fn, output)
 
     trace_values: list[Any] = list(primal_values)
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
@@ -295,12 +360,14 @@ def trace_joint(
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
     tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, primal_labels)
+    primal_values, primal_kinds, primal_labels = flatten_primals(primal_values, primal_kinds, primal_labels)
     if len(primals) != len(primal_values):
         raise UnsupportedGraph(
             f"the joint graph has {len(primals)} primals for {len(primal_values)} inputs"
         )
-    tangent_values = _tangent_values(joint, tangents)
-    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, primal_labels)
+    _drop_opaque_gradients(joint, primal_kinds, num_fwd_outputs)
+    tangent_values = _tangent_values(joint, tangents, tangent_values)
     return JointGraph(
         gm=joint,
         primals=primals,
@@ -313,6 +380,7 @@ def trace_joint(
         model=model,
         symbols=named_symbols,
         shape_env=shape_env,
+        output=output,
     )
 
 
@@ -361,13 +429,76 @@ def _capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any
     raise RematError("AOTAutograd produced no joint graph: no parameter or input requires grad")
 
 
-def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str]) -> list[torch.Tensor]:
-    """``ones`` of each tangent placeholder's shape (the gradient of a scalar loss)."""
+def flatten_primals(values: Sequence[Any], kinds: Sequence[str],
+                    labels: Sequence[str]) -> tuple[list[Any], list[str], list[str]]:
+    """Flatten tensor-subclass values as AOTAutograd flattens its inputs.
+
+    A traceable wrapper subclass (``DTensor``) becomes the values of the attributes its
+    ``__tensor_flatten__`` names, in that order and recursively: inner tensors keep the
+    kind of the value; other attributes (the ``DeviceMesh``) get kind ``"opaque"``.
+    Plain tensors pass through.
+
+    Returns:
+        ``(values, kinds, labels)`` with one entry per joint-graph primal.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out_v: list[Any] = []
+    out_k: list[str] = []
+    out_l: list[str] = []
+
+    def visit(v: Any, kind: str, label: str) -> None:
+        if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
+            attrs, _ = v.__tensor_flatten__()
+            for i, attr in enumerate(attrs):
+                visit(getattr(v, attr), kind, label if i == 0 else f"{label}.{attr}")
+        elif isinstance(v, torch.Tensor):
+            out_v.append(v), out_k.append(kind), out_l.append(label)
+        else:
+            out_v.append(v), out_k.append("opaque"), out_l.append(label)
+
+    for v, k, lab in zip(values, kinds, labels):
+        visit(v, k, lab)
+    return out_v, out_k, out_l
+
+
+def _drop_opaque_gradients(joint: fx.GraphModule, kinds: Sequence[str], num_fwd_outputs: int) -> None:
+    """AOTAutograd returns an opaque primal (a device mesh) as its own "gradient"; make
+    that gradient output None, as for any primal without a gradient."""
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    changed = False
+    for i, kind in enumerate(kinds):
+        j = num_fwd_outputs + i
+        if kind == "opaque" and j < len(outs) and outs[j] is not None:
+            outs[j] = None
+            changed = True
+    if changed:
+        out.args = (outs,)
+        joint.graph.lint()
+        joint.recompile()
+
+
+def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str],
+                    given: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``given`` (checked against the placeholders' shapes), or ``ones`` of each tangent
+    placeholder's shape (the gradient of a scalar loss).
+
+    Raises:
+        ValueError: ``given`` does not match the tangents in number or shape.
+    """
     out = []
-    for name in tangents:
+    if given is not None and len(given) != len(tangents):
+        raise ValueError(f"tangent_values: {len(given)} tensors for {len(tangents)} tangents")
+    for i, name in enumerate(tangents):
         val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
         shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
-        out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
+        if given is not None:
+            if list(given[i].shape) != shape:
+                raise ValueError(f"tangent_values[{i}] has shape {list(given[i].shape)}; the output has {shape}")
+            out.append(given[i])
+        else:
+            out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
     return out
 
 
