@@ -17,10 +17,11 @@ automatically).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import schedule as schedules
 from .errors import InfeasibleBudget, RematError
@@ -28,7 +29,10 @@ from .formatting import fmt_bytes, mib, parse_bytes, text_table
 from .gate import gate
 from .inspection import describe_step, dump_step, load_dump, render
 from .measure import measured_step_timeline
+from .distributed import RunOptions, measure_config
 from .models import build
+from .parallel import ParallelConfig, validate
+from .parallel_plan import PREDICTION_COLUMNS, plan_stages, plan_text, predict_config, prediction_json, prediction_rows
 from .planner import Planner, max_batch_rows
 from .plot import plot_timeline
 from .report import (
@@ -49,6 +53,7 @@ from .sweep import Session, sweep
 from .symbolic import default_symbols, trace_symbolic
 
 DEFAULT_MODEL = "remat_pass.models:gpt2"
+DEFAULT_PARALLEL_MODEL = "remat_pass.models:tiny_llama"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -66,8 +71,8 @@ def positive_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Add the options that choose the model and its input."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FACTORY",
-                   help="factory returning (model, example_inputs, loss_fn) (default: %(default)s)")
+    g.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                   help=f"factory returning (model, example_inputs, loss_fn) (default: {DEFAULT_MODEL})")
     g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
     g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
@@ -76,9 +81,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="RNG seed for every run (default: 0)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Add the parallel sizes (Megatron-LM's names) that make the command per rank."""
+    g = p.add_argument_group("parallelism (per-rank prediction; default model: " + DEFAULT_PARALLEL_MODEL + ")")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size t (default: 1)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp 2 or more)")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size p (default: 1)")
+    g.add_argument("--microbatches", type=positive_int, default=1, help="microbatches m per step (default: 1)")
+    g.add_argument("--pipeline-schedule", default="1f1b", help="1f1b, gpipe or interleaved (default: %(default)s)")
+    g.add_argument("--vpp", type=positive_int, default=1, help="model chunks per rank v (interleaved)")
+    g.add_argument("--fsdp", type=positive_int, default=1, help="FSDP2 data-parallel size d (default: 1)")
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig | None:
+    """The ParallelConfig the options ask for, None when they ask for one device."""
+    config = ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches,
+                            pipeline_schedule=args.pipeline_schedule, vpp=args.vpp, fsdp=args.fsdp)
+    return None if config == ParallelConfig() else config
+
+
+def model_spec(args: argparse.Namespace, parallel: bool = False) -> str:
+    """``--model``, or the default model (the parallel one for per-rank commands)."""
+    return args.model or (DEFAULT_PARALLEL_MODEL if parallel else DEFAULT_MODEL)
+
+
 def load_session(args: argparse.Namespace) -> Session:
     """Build the model from the factory and trace it (prints what it does to stderr)."""
-    model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+    model, inputs, loss_fn = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
     session = Session.create(model, inputs, loss_fn, layers=args.stack, seed=args.seed)
     print(
@@ -92,6 +121,9 @@ def load_session(args: argparse.Namespace) -> Session:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every Megatron setting; print the table, write --json."""
+    config = parallel_config(args)
+    if config is not None:
+        return cmd_sweep_parallel(args, config)
     session = load_session(args)
 
     def progress(i: int, n: int, s, r) -> None:  # noqa: ANN001
@@ -106,7 +138,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
     if args.json:
         write_json(args.json, {
-            "model": args.model,
+            "model": model_spec(args),
             "layer_stack": session.stack.path,
             "num_layers": session.stack.num_layers,
             "static_bytes": sum(int(v.untyped_storage().nbytes()) for v in session.joint.primal_values),
@@ -114,6 +146,50 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         })
         print(f"wrote {args.json}", file=sys.stderr)
     return EXIT_OK if all(r.grads_equal for r in results) else EXIT_FAILED
+
+
+def load_parallel(args: argparse.Namespace, config: ParallelConfig) -> tuple[Any, Any]:
+    """Build the model for a per-rank command and validate ``config`` against it."""
+    model, inputs, _ = build(model_spec(args, True), batch=args.batch, seq=args.seq, layers=args.layers)
+    batch = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    validate(config, model, batch.shape[0], batch.shape[1] if batch.dim() > 1 else None)
+    return model, inputs
+
+
+def cmd_sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
+    """Per-rank predicted peaks of every Megatron setting (fake process group, no
+    processes); with --measure, the same ranks run on gloo and are measured."""
+    model, inputs = load_parallel(args, config)
+    t0 = time.perf_counter()
+    if config.fsdp > 1:
+        raise ValueError("sweep --fsdp: not yet")
+    preds = predict_config(model, inputs, config, allocator=args.allocator)
+    print(f"{config.name}: {config.world_size} ranks traced with the fake process group "
+          f"({time.perf_counter() - t0:.1f}s); peaks are activation bytes of one step "
+          f"({config.microbatches} microbatches), static = parameters, buffers, batch", file=sys.stderr)
+    print(text_table(PREDICTION_COLUMNS, prediction_rows(preds)))
+    rows = [prediction_json(config, p) for i in range(len(preds[0])) for rank_preds in preds for p in [rank_preds[i]]]
+    status = EXIT_OK
+    if args.measure:
+        settings = [(p.schedule.split("(")[0], None if p.schedule == "none" else int(p.schedule.split("=")[1][:-1]))
+                    for p in preds[0]]
+        options = RunOptions(model_spec(args, True), tuple((k, v) for k, v in (("batch", args.batch), ("seq", args.seq),
+                             ("layers", args.layers)) if v is not None), tuple(settings), repeats=args.repeats)
+        measured = {(r.schedule, r.rank): r for r in measure_config(config, options)}
+        print(text_table(["rank", "schedule", "predicted", "measured (least)", "runs", "grads"],
+                         [[str(r["rank"]), r["schedule"], str(r["predicted_peak_bytes"]),
+                           str(measured[(r["schedule"], r["rank"])].measured_peak_bytes),
+                           str(len(measured[(r["schedule"], r["rank"])].measured_runs_bytes)),
+                           "equal" if measured[(r["schedule"], r["rank"])].grads_equal else "DIFFER"] for r in rows]))
+        for r in rows:
+            m = measured[(r["schedule"], r["rank"])]
+            r.update(measured_peak_bytes=m.measured_peak_bytes, measured_runs_bytes=list(m.measured_runs_bytes),
+                     grads_equal=m.grads_equal)
+            status = status if m.grads_equal else EXIT_FAILED
+    if args.json:
+        write_json(args.json, {"model": model_spec(args, True), "config": dataclasses.asdict(config), "rows": rows})
+        print(f"wrote {args.json}", file=sys.stderr)
+    return status
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -152,7 +228,7 @@ def _schedules(args: argparse.Namespace, num_layers: int) -> list[schedules.Sche
 
 
 def _meta(args: argparse.Namespace, session: Session) -> dict:
-    meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+    meta = {"model": model_spec(args), "batch": args.batch, "seq": args.seq, "layers": args.layers,
             "layer_stack": session.stack.path, "num_layers": session.stack.num_layers}
     return {k: v for k, v in meta.items() if v is not None}
 
@@ -212,7 +288,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(todo) == 1:
         markdown = parts[0]
     else:
-        markdown = (f"### remat-pass: predicted peaks of {args.model}\n\n" + summary_markdown(docs) + "\n\n"
+        markdown = (f"### remat-pass: predicted peaks of {model_spec(args)}\n\n" + summary_markdown(docs) + "\n\n"
                     + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n</details>\n"
                                 for d, t in zip(docs, parts)))
     if args.markdown:
@@ -255,7 +331,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_model(args: argparse.Namespace) -> int:
     """Trace with symbolic batch / seq and print the formulas (text and LaTeX)."""
-    model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+    model, inputs, loss_fn = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
     t0 = time.perf_counter()
     sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
     print(f"traced {type(model).__name__} with symbolic shapes ({time.perf_counter() - t0:.1f}s)",
@@ -265,10 +341,16 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The optimized schedule under --budget (or the largest batch per schedule)."""
+    """The optimized schedule under --budget (or the largest batch per schedule); per
+    rank and stage under --device-memory for a parallel step."""
+    config = parallel_config(args)
+    if config is not None or args.device_memory is not None:
+        return cmd_plan_parallel(args, config or ParallelConfig())
+    if args.budget is None:
+        raise ValueError("plan needs --budget SIZE (activation bytes), or --device-memory SIZE for a per-rank plan")
     budget = parse_bytes(args.budget)
     if args.max_batch:
-        model, inputs, loss_fn = build(args.model, batch=args.batch, seq=args.seq, layers=args.layers)
+        model, inputs, loss_fn = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
         sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
         rows = max_batch_rows(sm, budget)
         print(f"largest batch within {budget} bytes ({fmt_bytes(budget)}), "
@@ -302,6 +384,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if result.grads_equal else EXIT_FAILED
 
 
+def cmd_plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
+    """Least recompute per stage within --device-memory, as Megatron-LM flags where
+    they can express it."""
+    if args.device_memory is None:
+        raise ValueError("a per-rank plan needs --device-memory SIZE (e.g. 80GiB): the memory of one device")
+    device = parse_bytes(args.device_memory)
+    model, inputs = load_parallel(args, config)
+    if config.fsdp > 1:
+        raise ValueError("plan --fsdp is not supported yet: use sweep --fsdp for the per-rank prediction")
+    preds = predict_config(model, inputs, config, allocator=args.allocator)
+    plan = plan_stages(preds, device)
+    print(plan_text(config, plan))
+    if args.json:
+        write_json(args.json, {"config": dataclasses.asdict(config), "device_memory_bytes": device,
+                               "expressible": plan.expressible, "megatron_flags": plan.flags,
+                               "shared_setting": plan.shared, "gain_flops": plan.gain_flops,
+                               "rows": [prediction_json(config, p) for p in plan.chosen]})
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -311,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("sweep", help="predicted vs measured peak for none, uniform K=1..L, block N=0..L")
     add_model_args(p)
+    add_parallel_args(p)
+    p.add_argument("--measure", action="store_true",
+                   help="per-rank: also launch the ranks on gloo and measure every rank (multi-process)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="per-rank --measure: measured steps per setting")
+    p.add_argument("--allocator", choices=("cpu", "cuda"), default="cpu",
+                   help="per-rank: allocator model for the predicted bytes (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("inspect", help="the rewritten forward/backward graphs, saved activations, recompute segments")
@@ -349,7 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_model)
     p = sub.add_parser("plan", help="optimized schedule: least recompute under a peak budget")
     add_model_args(p)
-    p.add_argument("--budget", required=True, metavar="SIZE", help="peak budget: bytes or 1.5GiB, 800MiB, 2GB")
+    add_parallel_args(p)
+    p.add_argument("--budget", metavar="SIZE", help="peak budget: bytes or 1.5GiB, 800MiB, 2GB")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="per rank: the device's memory (e.g. 80GiB); least recompute per pipeline stage that fits")
+    p.add_argument("--allocator", choices=("cpu", "cuda"), default="cpu",
+                   help="per-rank plan: allocator model for the predicted bytes (default: %(default)s)")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest batch that fits the budget, per Megatron schedule")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")

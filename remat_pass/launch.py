@@ -34,6 +34,9 @@ from .errors import RematError
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver")
 GRACE_S = 5.0
+# imported once by the fork server, so that forked ranks start without importing them
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
+                      "remat_pass.distributed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,8 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), deadline_s: 
     if start_method not in START_METHODS:
         raise InvalidOption(f"start method {start_method!r} is not one of {START_METHODS}")
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     tmp = tempfile.mkdtemp(prefix="remat_pass_ranks_")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), backend, pg_timeout_s,

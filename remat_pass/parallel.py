@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from . import schedule as schedules
+from .costs import node_flops
 from .errors import InvalidOption, LayerStackNotFound
 from .pipeline import (
     PIPELINE_SCHEDULES,
@@ -352,7 +353,7 @@ class RankPrediction:
         peak: the composed peak (``pipeline.RankPeak``).
         static_bytes: parameters, buffers and inputs of its stages (local shards).
         profiles: stage -> StageProfile.
-        saved_bytes_per_microbatch: stage -> saved activation bytes of one microbatch.
+        recompute_flops: FLOPs recomputed in the rank's step (all microbatches).
     """
 
     rank: int
@@ -361,6 +362,7 @@ class RankPrediction:
     peak: RankPeak
     static_bytes: int
     profiles: dict[int, StageProfile]
+    recompute_flops: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -384,11 +386,13 @@ def predict_rank(stage_graphs: list[StageGraph], config: ParallelConfig, rank: i
     """
     profiles = {}
     provenance = ""
+    flops = 0
     for sg in stage_graphs:
         sched = stage_schedule(method, recompute_num_layers, sg.stack.num_layers)
         provenance = sched.provenance
         step = rewrite(sg.joint, sg.stack, sched)
         profiles[sg.stage] = stage_profile(step, sg.joint.primal_kinds, sg.stage, sg.first, sg.last, allocator)
+        flops += sum(int(node_flops(n)) for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute")
     peak = compose(profiles, config.actions(rank), config.releases(rank), grad_accumulator)
     static = sum(p.static_bytes for p in profiles.values())
-    return RankPrediction(rank, tuple(profiles), provenance, peak, static, profiles)
+    return RankPrediction(rank, tuple(profiles), provenance, peak, static, profiles, flops * config.microbatches)

@@ -82,7 +82,8 @@ class StageProfile:
             none).
         input_grad_bytes: the gradient sent to the previous stage (0 on the first).
         param_grad_bytes: the parameter gradients one backward produces.
-        static_bytes: parameters, buffers and inputs of the stage (liveness' static).
+        static_bytes: parameters, buffers and the microbatch's token ids / targets
+            (liveness' static, less the received activation and tangent).
     """
 
     stage: int
@@ -173,7 +174,7 @@ def stage_profile(step: RewrittenStep, primal_kinds: Sequence[str], stage: int, 
         tangent_last_step=tangent_last,
         input_grad_bytes=input_grad,
         param_grad_bytes=sum(iv.storages[s].nbytes for s in sorted(param_sids)),
-        static_bytes=sum(s.nbytes for s in iv.storages if s.static),
+        static_bytes=sum(s.nbytes for s in iv.storages if s.static) - in_bytes - tangent_bytes,
     )
 
 
