@@ -32,7 +32,7 @@ from .measure import measured_step_timeline
 from .distributed import RunOptions, measure_config
 from .models import build
 from .parallel import ParallelConfig, validate
-from .parallel_plan import PREDICTION_COLUMNS, plan_stages, plan_text, predict_config, prediction_json, prediction_rows
+from .parallel_plan import PREDICTION_COLUMNS, plan_stages, predict_config, prediction_json, prediction_rows, stage_plan_text
 from .planner import Planner, max_batch_rows
 from .plot import plot_timeline
 from .report import (
@@ -395,7 +395,7 @@ def cmd_plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
         raise ValueError("plan --fsdp is not supported yet: use sweep --fsdp for the per-rank prediction")
     preds = predict_config(model, inputs, config, allocator=args.allocator)
     plan = plan_stages(preds, device)
-    print(plan_text(config, plan))
+    print(stage_plan_text(config, plan))
     if args.json:
         write_json(args.json, {"config": dataclasses.asdict(config), "device_memory_bytes": device,
                                "expressible": plan.expressible, "megatron_flags": plan.flags,

@@ -52,7 +52,8 @@ class RankFailure:
 
 class RankFailed(RematError):
     """A rank raised, died or hung; every rank has been ended. ``failures`` lists the
-    ranks that failed first (the others were ended by the launcher)."""
+    ranks that failed, in the order they were reported: the first is the cause (a
+    peer of a dead rank may report a broken connection after it)."""
 
     def __init__(self, failures: list[RankFailure]):
         self.failures = failures
@@ -67,16 +68,19 @@ def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: fl
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ok, result = False, None
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        try:
-            result = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException as e:  # report it, then exit with an error
+        result = fn(rank, world, *args)
+        ok = True
+    except BaseException as e:  # report it first (peers may fail next), then exit with an error
         queue.put((rank, False, f"{type(e).__name__}: {e}".splitlines()[0][:500], traceback.format_exc()))
-        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
     queue.put((rank, True, result, ""))
 
 
@@ -146,7 +150,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), deadline_s: 
         queue.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:
-        raise RankFailed([failures[r] for r in sorted(failures)])
+        raise RankFailed(list(failures.values()))  # in the order they were reported
     missing = [r for r in range(world) if r not in results]
     if missing:
         raise RankFailed([RankFailure(r, "ended without a result") for r in missing])

@@ -116,7 +116,6 @@ def plan_stages(predictions: Sequence[Sequence[RankPrediction]], device_memory_b
                 f"{fmt_bytes(device_memory_bytes)}",
                 least_feasible_peak_bytes=least.peak_bytes + least.static_bytes, budget_bytes=device_memory_bytes)
         chosen.append(min(fits, key=lambda p: (p.recompute_flops, p.peak_bytes)))
-    settings = {_setting(p) for p in chosen}
     by_setting: dict[tuple[str, int | None], list[RankPrediction]] = {}
     for rank_preds in predictions:
         for p in rank_preds:
@@ -124,13 +123,17 @@ def plan_stages(predictions: Sequence[Sequence[RankPrediction]], device_memory_b
     common = [(sum(p.recompute_flops for p in ps), s) for s, ps in by_setting.items()
               if len(ps) == len(predictions) and all(p.peak_bytes + p.static_bytes <= device_memory_bytes for p in ps)]
     shared = min(common, key=lambda c: (c[0], str(c[1])))[1] if common else None
-    expressible = len(settings) == 1
-    flags_of = next(iter(settings)) if expressible else shared
+    # Megatron's flags express the plan when one setting costs every rank no more
+    # recompute than its own best (settings that tie, e.g. uniform K=1 and block N=L)
+    expressible = shared is not None and all(
+        s.recompute_flops <= c.recompute_flops for s, c in zip(by_setting[shared], chosen))
+    if expressible:
+        chosen = list(by_setting[shared])
     gain = 0 if expressible or shared is None else (
         sum(p.recompute_flops for p in by_setting[shared]) - sum(p.recompute_flops for p in chosen))
     return StagePlan(device_memory_bytes, tuple(chosen),
                      None if shared is None else by_setting[shared][0].schedule, expressible,
-                     megatron_flags(*flags_of) if flags_of is not None else "(no single setting fits every stage)",
+                     megatron_flags(*shared) if shared is not None else "(no single setting fits every stage)",
                      gain)
 
 
@@ -160,7 +163,7 @@ def prediction_json(config: ParallelConfig, p: RankPrediction) -> dict[str, Any]
             "recompute_flops": p.recompute_flops}
 
 
-def plan_text(config: ParallelConfig, plan: StagePlan) -> str:
+def stage_plan_text(config: ParallelConfig, plan: StagePlan) -> str:
     """The plan as text: one row per rank, then the Megatron-LM flags or the
     per-stage plan and its gain."""
     rows = [[str(p.rank), ",".join(map(str, p.stages)), p.schedule, mib(p.peak_bytes), mib(p.static_bytes),
