@@ -90,6 +90,7 @@ class _StageRun:
     x_index: int | None       # primal index of the received activation
     tangent_shape: tuple[int, ...]
     tangent_dtype: torch.dtype
+    device: torch.device
 
 
 def _stage_run(graph: StageGraph, step: RewrittenStep) -> _StageRun:
@@ -98,7 +99,8 @@ def _stage_run(graph: StageGraph, step: RewrittenStep) -> _StageRun:
     tangent = next(n for n in graph.joint.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents"))
     val = tangent.meta["val"]
     return _StageRun(graph, step, list(graph.joint.primal_values[:first_input]),
-                     None if graph.first else first_input, tuple(val.shape), val.dtype)
+                     None if graph.first else first_input, tuple(val.shape), val.dtype,
+                     graph.joint.primal_values[0].device)
 
 
 def _tag(receiving_stage: int, kind: str, microbatch: int, m: int) -> int:
@@ -140,7 +142,7 @@ def pipeline_step(config: ParallelConfig, rank: int, runs: dict[int, _StageRun],
         if a.kind == "F":
             x = None
             if not g.first:
-                x = torch.empty(g.boundary_shape, dtype=run.tangent_dtype)
+                x = torch.empty(g.boundary_shape, dtype=run.tangent_dtype, device=run.device)
                 dist.irecv(x, rank_of(a.stage - 1), tag=_tag(a.stage, "F", a.microbatch, m)).wait()
             release_sends(k)
             args = [*run.statics, *stage_inputs(g.first, g.last, mbs[a.microbatch], x)]
@@ -160,7 +162,7 @@ def pipeline_step(config: ParallelConfig, rank: int, runs: dict[int, _StageRun],
             if g.last:
                 tangent = loss_tangent
             else:
-                tangent = torch.empty(run.tangent_shape, dtype=run.tangent_dtype)
+                tangent = torch.empty(run.tangent_shape, dtype=run.tangent_dtype, device=run.device)
                 dist.irecv(tangent, rank_of(a.stage + 1), tag=_tag(a.stage, "B", a.microbatch, m)).wait()
             release_sends(k)
             saved, x = in_flight.pop((a.stage, a.microbatch))
@@ -348,16 +350,20 @@ def rank_main(rank: int, world: int, config: ParallelConfig, options: RunOptions
     predict, warm up, measure and compare gradients. Returns one RankRow per schedule."""
     model, inputs, _ = build(options.factory, **dict(options.factory_kwargs))
     validate(config, model, inputs[0].shape[0], inputs[0].shape[1])
+    if options.device == "cuda":  # nccl: one GPU per rank (not run on this project's CPU machines)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
     graphs = {g.stage: g for g in trace_rank(model, inputs, config, rank)}
     mbs = microbatches(inputs, config.microbatches)
     reference = _single_process_grads(model, mbs)
     tp_group = _tp_group(graphs.values())
-    loss_tangent = torch.ones(())
+    loss_tangent = torch.ones((), device=options.device)
     settle = _SettledCollectives()
     todo = [("none", None)] + [s for s in options.schedules if s != ("none", None)]
     rows, none_grads = [], None
     for method, k in todo:
-        pred = predict_rank(list(graphs.values()), config, rank, method, k, grad_accumulator=options.grad_accumulator)
+        pred = predict_rank(list(graphs.values()), config, rank, method, k,
+                            "cuda" if options.device == "cuda" else "cpu", options.grad_accumulator)
         runs = {s: _stage_run(g, settle.step(rewrite(g.joint, g.stack, stage_schedule(method, k, g.stack.num_layers))))
                 for s, g in graphs.items()}
         result: dict[str, Any] = {}

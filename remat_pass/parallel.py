@@ -208,7 +208,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def tp_mesh(config: ParallelConfig) -> Any:
+def tp_mesh(config: ParallelConfig, device: str = "cpu") -> Any:
     """The rank's tensor-parallel DeviceMesh (None without TP); call it on every rank
     of an initialised process group (it creates the subgroups)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -216,8 +216,8 @@ def tp_mesh(config: ParallelConfig) -> Any:
     if config.tp == 1:
         return None
     if config.pp == 1:
-        return init_device_mesh("cpu", (config.tp,), mesh_dim_names=("tp",))
-    return init_device_mesh("cpu", (config.pp, config.tp), mesh_dim_names=("pp", "tp"))["tp"]
+        return init_device_mesh(device, (config.tp,), mesh_dim_names=("tp",))
+    return init_device_mesh(device, (config.pp, config.tp), mesh_dim_names=("pp", "tp"))["tp"]
 
 
 def split_stage(model: nn.Module, stage: int, num_stages: int) -> tuple[nn.Module, dict[str, str]]:
@@ -320,7 +320,8 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
     Returns:
         One StageGraph per stage the rank holds, in stage order.
     """
-    mesh = tp_mesh(config)
+    device = next(model.parameters()).device
+    mesh = tp_mesh(config, device.type)
     mb = microbatches(inputs, config.microbatches)[0]
     out = []
     for s in config.stages_of(rank):
@@ -335,7 +336,7 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
             seq = mb[0].shape[1] // config.tp if config.sp else mb[0].shape[1]
             shape = (mb[0].shape[0], seq, model.pipeline_layout.hidden)
             dtype = next(model.parameters()).dtype
-            x = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(s)).requires_grad_()
+            x = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(s)).to(device).requires_grad_()
         joint = trace_joint(module, stage_inputs(first, last, mb, x), None,
                             output="loss" if last else "activation")
         stack = assign_layers(joint, model.pipeline_layout.stack if hasattr(model, "pipeline_layout") else None)
