@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_pass.distributed import RunOptions, measure_config, measure_fsdp  # noqa: E402
+from remat_pass.distributed import RunOptions, measure_config  # noqa: E402
+from remat_pass.fsdp_measure import measure_fsdp  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
 from remat_pass.launch import RankFailed  # noqa: E402
 from remat_pass.models import build  # noqa: E402

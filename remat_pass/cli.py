@@ -30,9 +30,11 @@ from .gate import gate
 from .inspection import describe_step, dump_step, load_dump, render
 from .measure import measured_step_timeline
 from .distributed import RunOptions, measure_config
+from .fsdp_measure import measure_fsdp
 from .models import build
 from .parallel import ParallelConfig, validate
-from .parallel_plan import PREDICTION_COLUMNS, plan_stages, predict_config, prediction_json, prediction_rows, stage_plan_text
+from .parallel_plan import FSDP_COLUMNS, PREDICTION_COLUMNS, fsdp_rows, megatron_flags, plan_stages, predict_config
+from .parallel_plan import predict_fsdp_config, prediction_json, prediction_rows, stage_plan_text
 from .planner import Planner, max_batch_rows
 from .plot import plot_timeline
 from .report import (
@@ -162,7 +164,7 @@ def cmd_sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
     model, inputs = load_parallel(args, config)
     t0 = time.perf_counter()
     if config.fsdp > 1:
-        raise ValueError("sweep --fsdp: not yet")
+        return cmd_sweep_fsdp(args, config, model, inputs)
     preds = predict_config(model, inputs, config, allocator=args.allocator)
     print(f"{config.name}: {config.world_size} ranks traced with the fake process group "
           f"({time.perf_counter() - t0:.1f}s); peaks are activation bytes of one step "
@@ -173,8 +175,7 @@ def cmd_sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
     if args.measure:
         settings = [(p.schedule.split("(")[0], None if p.schedule == "none" else int(p.schedule.split("=")[1][:-1]))
                     for p in preds[0]]
-        options = RunOptions(model_spec(args, True), tuple((k, v) for k, v in (("batch", args.batch), ("seq", args.seq),
-                             ("layers", args.layers)) if v is not None), tuple(settings), repeats=args.repeats)
+        options = RunOptions(model_spec(args, True), _factory_kwargs(args), tuple(settings), repeats=args.repeats)
         measured = {(r.schedule, r.rank): r for r in measure_config(config, options)}
         print(text_table(["rank", "schedule", "predicted", "measured (least)", "runs", "grads"],
                          [[str(r["rank"]), r["schedule"], str(r["predicted_peak_bytes"]),
@@ -186,6 +187,38 @@ def cmd_sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
             r.update(measured_peak_bytes=m.measured_peak_bytes, measured_runs_bytes=list(m.measured_runs_bytes),
                      grads_equal=m.grads_equal)
             status = status if m.grads_equal else EXIT_FAILED
+    if args.json:
+        write_json(args.json, {"model": model_spec(args, True), "config": dataclasses.asdict(config), "rows": rows})
+        print(f"wrote {args.json}", file=sys.stderr)
+    return status
+
+
+def _factory_kwargs(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    return tuple((k, v) for k, v in (("batch", args.batch), ("seq", args.seq), ("layers", args.layers)) if v is not None)
+
+
+def cmd_sweep_fsdp(args: argparse.Namespace, config: ParallelConfig, model: Any, inputs: Any) -> int:
+    """An FSDP2 rank's predicted peak under every Megatron setting (one trace: every
+    rank has the same shapes); with --measure, ``none`` measured on d gloo ranks
+    (eager ``fully_shard``: no recompute to measure)."""
+    t0 = time.perf_counter()
+    preds = predict_fsdp_config(model, inputs, config)
+    print(f"{config.name}: one rank's step traced ({time.perf_counter() - t0:.1f}s); peaks are activation bytes "
+          "with FSDP2's gathered parameters and reduce-scatter buffers, static = sharded parameters; only none is "
+          "checked against a measurement (eager fully_shard has no recompute)", file=sys.stderr)
+    print(text_table(FSDP_COLUMNS, fsdp_rows(config, preds)))
+    rows = [{"config": config.name, "schedule": p.schedule, "ranks": list(range(config.fsdp)),
+             "predicted_peak_bytes": p.prediction.peak_bytes, "static_bytes": p.prediction.static_bytes,
+             "peak_at": p.prediction.where, "recompute_flops": p.recompute_flops} for p in preds]
+    status = EXIT_OK
+    if args.measure:
+        options = RunOptions(model_spec(args, True), _factory_kwargs(args), (("none", None),), repeats=args.repeats)
+        measured = measure_fsdp(config, options)
+        print(text_table(["rank", "schedule", "predicted", "measured (least)", "runs", "grads"],
+                         [[str(m.rank), m.schedule, str(m.predicted_peak_bytes), str(m.measured_peak_bytes),
+                           str(len(m.measured_runs_bytes)), "equal" if m.grads_equal else "DIFFER"] for m in measured]))
+        rows[0]["measured_peak_bytes"] = [m.measured_peak_bytes for m in measured]
+        status = EXIT_OK if all(m.grads_equal for m in measured) else EXIT_FAILED
     if args.json:
         write_json(args.json, {"model": model_spec(args, True), "config": dataclasses.asdict(config), "rows": rows})
         print(f"wrote {args.json}", file=sys.stderr)
@@ -392,7 +425,7 @@ def cmd_plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
     device = parse_bytes(args.device_memory)
     model, inputs = load_parallel(args, config)
     if config.fsdp > 1:
-        raise ValueError("plan --fsdp is not supported yet: use sweep --fsdp for the per-rank prediction")
+        return plan_fsdp(config, model, inputs, device)
     preds = predict_config(model, inputs, config, allocator=args.allocator)
     plan = plan_stages(preds, device)
     print(stage_plan_text(config, plan))
@@ -401,6 +434,26 @@ def cmd_plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> int:
                                "expressible": plan.expressible, "megatron_flags": plan.flags,
                                "shared_setting": plan.shared, "gain_flops": plan.gain_flops,
                                "rows": [prediction_json(config, p) for p in plan.chosen]})
+    return EXIT_OK
+
+
+def plan_fsdp(config: ParallelConfig, model: Any, inputs: Any, device_memory_bytes: int) -> int:
+    """The least-recompute setting whose FSDP2 peak + sharded parameters fit the device
+    (every rank alike), as Megatron-LM flags."""
+    preds = predict_fsdp_config(model, inputs, config)
+    fits = [p for p in preds if p.prediction.peak_bytes + p.prediction.static_bytes <= device_memory_bytes]
+    if not fits:
+        least = min(preds, key=lambda p: p.prediction.peak_bytes + p.prediction.static_bytes)
+        need = least.prediction.peak_bytes + least.prediction.static_bytes
+        raise InfeasibleBudget(f"an FSDP2 rank needs at least {fmt_bytes(need)} (activation peak under "
+                               f"{least.schedule} + sharded parameters); the device has {fmt_bytes(device_memory_bytes)}",
+                               least_feasible_peak_bytes=need, budget_bytes=device_memory_bytes)
+    best = min(fits, key=lambda p: (p.recompute_flops, p.prediction.peak_bytes))
+    print(f"{config.name}: least recompute within {fmt_bytes(device_memory_bytes)} (activation peak + sharded "
+          "parameters; optimizer states not counted)")
+    print(text_table(FSDP_COLUMNS, fsdp_rows(config, [best])))
+    method, _, rest = best.schedule.partition("(")
+    print("Megatron-LM: " + megatron_flags(method, int(rest.split("=")[1].rstrip(")")) if rest else None))
     return EXIT_OK
 
 

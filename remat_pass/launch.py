@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -29,7 +30,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .errors import RematError
+import torch
+import torch.distributed as dist
+
+from .errors import InvalidOption, RematError
 
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver")
@@ -63,9 +67,6 @@ class RankFailed(RematError):
 
 def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: float,
            fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ok, result = False, None
@@ -101,10 +102,6 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), deadline_s: 
         RankFailed: a rank raised, died or hung (module docstring).
         InvalidOption: bad ``world``, ``backend`` or ``start_method``.
     """
-    import multiprocessing as mp
-
-    from .errors import InvalidOption
-
     if world < 1:
         raise InvalidOption(f"world size {world}: must be 1 or more")
     if backend not in BACKENDS:

@@ -9,6 +9,9 @@ peak fits the device (activation peak + static memory <= ``--device-memory``), a
 says whether Megatron-LM's flags can express the result: its flags are one setting for
 every stage, so they can when all stages chose the same one; otherwise the per-stage
 plan is printed with its gain over the best setting every stage can share.
+``predict_fsdp_config`` predicts an FSDP2 step (``fsdp.predict_fsdp``) under each
+setting: every rank runs the same shapes (its 1/d of the batch), so one trace serves
+all d ranks.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ from typing import Any, Sequence
 import torch.nn as nn
 
 from . import schedule as schedules
+from .costs import node_flops
 from .errors import InfeasibleBudget
 from .formatting import fmt_bytes, mib, text_table
-from .parallel import ParallelConfig, RankPrediction, fake_process_group, predict_rank, trace_rank
+from .fsdp import FsdpPrediction, predict_fsdp
+from .parallel import ParallelConfig, RankPrediction, fake_process_group, microbatches, predict_rank, trace_rank
+from .regions import assign_layers, find_layer_stack
+from .rewrite import rewrite
+from .trace import trace_joint
 
 
 def stage_schedules(num_layers: int) -> list[tuple[str, int | None]]:
@@ -52,6 +60,61 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
         todo = list(settings) if settings is not None else stage_schedules(graphs[0].stack.num_layers)
         out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator) for m, k in todo])
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpSettingPrediction:
+    """One FSDP2 rank's predicted step under one recompute setting.
+
+    Attributes:
+        schedule: the setting's provenance (``uniform(K=2)``).
+        prediction: ``fsdp.FsdpPrediction`` (peak, where, sharded static bytes, hooks).
+        recompute_flops: FLOPs recomputed in the rank's step.
+    """
+
+    schedule: str
+    prediction: FsdpPrediction
+    recompute_flops: int
+
+
+def predict_fsdp_config(model: nn.Module, inputs: Any, config: ParallelConfig,
+                        settings: Sequence[tuple[str, int | None]] | None = None) -> list[FsdpSettingPrediction]:
+    """An FSDP2 rank's predicted step (``fully_shard`` per layer and the root, world
+    d = ``config.fsdp``) under every setting, from one trace of its 1/d of the batch
+    (every rank has the same shapes, so the same prediction).
+
+    Args:
+        model, inputs: the full model (loss inside) and the global batch.
+        config: validated with ``parallel.validate`` (FSDP alone).
+        settings: ``(method, K or N)``; default ``stage_schedules(L)``.
+
+    Returns:
+        One FsdpSettingPrediction per setting, in order. Only ``none`` is checked by a
+        measurement (``fsdp_measure``: the eager FSDP2 step has no recompute).
+    """
+    local = microbatches(inputs, config.fsdp)[0]
+    stack_path, _ = find_layer_stack(model)
+    joint = trace_joint(model, local, None)
+    stack = assign_layers(joint, stack_path)
+    out = []
+    for method, k in (list(settings) if settings is not None else stage_schedules(stack.num_layers)):
+        sched = schedules.make(method, k, stack.num_layers)
+        step = rewrite(joint, stack, sched)
+        flops = sum(int(node_flops(n)) for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute")
+        out.append(FsdpSettingPrediction(sched.provenance, predict_fsdp(
+            step, joint.primal_values, joint.primal_kinds, joint.primal_labels, stack_path, stack.num_layers,
+            config.fsdp), flops))
+    return out
+
+
+FSDP_COLUMNS = ["ranks", "schedule", "peak MiB", "static MiB", "peak at"]
+
+
+def fsdp_rows(config: ParallelConfig, preds: Sequence[FsdpSettingPrediction]) -> list[list[str]]:
+    """Table rows (``FSDP_COLUMNS``); static = the rank's sharded parameters."""
+    ranks = f"0-{config.fsdp - 1}"
+    return [[ranks, p.schedule, mib(p.prediction.peak_bytes), mib(p.prediction.static_bytes), p.prediction.where]
+            for p in preds]
 
 
 def megatron_flags(method: str, recompute_num_layers: int | None) -> str:
