@@ -228,7 +228,6 @@ class _SettledCollectives:
 
     def step(self, step: RewrittenStep) -> RewrittenStep:
         """A copy of ``step`` whose collectives run settled (the graphs are copied)."""
-        import copy
 
         def patch(gm: Any) -> Any:
             gm = copy.deepcopy(gm)

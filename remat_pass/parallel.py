@@ -206,6 +206,21 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's sharding-propagation and redistribution caches: their entries
+    hold DeviceMeshes (equal by shape, not by process group), so the next rank traced
+    in this process would reuse the previous rank's meshes and the names of process
+    groups destroyed with it ("Could not resolve the process group registered under
+    the name 3" when a TP x PP rank's groups are named differently)."""
+    from torch.distributed.tensor import debug as dtensor_debug
+    from torch.distributed.tensor import _redistribute
+
+    dtensor_debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def tp_mesh(config: ParallelConfig, device: str = "cpu") -> Any:

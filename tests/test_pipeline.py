@@ -112,3 +112,17 @@ def test_stage_split_refuses_uneven_layers():
     assert stage_layers(8, 4)[1] == range(2, 4)
     with pytest.raises(InvalidOption, match="legal values: \\[1, 2, 3, 6\\]"):
         stage_layers(6, 4)
+
+
+@pytest.mark.slow
+def test_tp_x_pp_ranks_traced_one_after_another_in_one_process():
+    """Every rank of t = 2 x p = 2 traced in turn under the fake process group: the
+    process groups of ranks 2 and 3 are named differently from those of ranks 0 and 1,
+    so DTensor's caches must not carry the earlier ranks' meshes over (they did:
+    "Could not resolve the process group registered under the name 3")."""
+    from remat_pass.parallel_plan import predict_config
+
+    model, inputs, _ = tiny_llama(batch=4, seq=16, layers=2, hidden=32, ffn=64, vocab=64)
+    preds = predict_config(model, inputs, ParallelConfig(tp=2, sp=True, pp=2, microbatches=2), [("none", None)])
+    assert [rp[0].stages for rp in preds] == [(0,), (0,), (1,), (1,)]
+    assert preds[0][0].peak_bytes == preds[1][0].peak_bytes and preds[2][0].peak_bytes == preds[3][0].peak_bytes
