@@ -32,6 +32,7 @@ def _fork_server():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~10 s on 2 shared cores (2 ranks trace, run and measure)
 def test_pipeline_1f1b_predicted_equals_measured_on_every_rank():
     """p = 2, m = 2 (1F1B), one layer per stage: every rank's composed prediction equals
     its measured peak to the byte; gradients bitwise equal to the single-process model;
@@ -47,6 +48,7 @@ def test_pipeline_1f1b_predicted_equals_measured_on_every_rank():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~14 s on 2 shared cores (5 measured repeats per rank)
 def test_tensor_parallel_predicted_equals_measured_on_every_rank():
     """t = 2 with sequence parallelism: each rank's graph holds its local shards and
     functional collectives; the prediction equals the least measured peak of repeated
