@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -201,11 +202,13 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise InvalidOption("a process group already exists in this process; plan ranks in a fresh process")
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]: " (once per rank traced)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
         _clear_dtensor_caches()
 
 
