@@ -92,6 +92,8 @@ def run_case(case: Case, device: str) -> tuple[list[dict], str | None]:
             "rank_trace_predicted_peak_bytes": r.predicted_peak_bytes,
             "error_fraction": (p.peak_bytes - r.measured_peak_bytes) / r.measured_peak_bytes,
             "in_flight": p.peak.in_flight, "held_bytes": p.peak.held_bytes, "peak_action": p.peak.action,
+            "accumulator_bytes": p.peak.accumulator_bytes, "buffer_bytes": p.peak.buffer_bytes,
+            "microbatch_bytes": p.peak.microbatch_bytes,
             "peak_node": p.peak.node, "static_bytes": p.static_bytes,
             "grads_bitwise_vs_single_process": r.grads_bitwise_vs_single_process,
             "max_grad_diff_vs_single_process": r.max_grad_diff_vs_single_process,
