@@ -126,7 +126,9 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
         add(units[u], fw[u][0], nxt, f"{u}.all_gather_output.forward")
     for ph in (n for n in step.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")):
         t = iv.storages[iv.sid_of[ph]]
-        add(t.nbytes, n_fw, max(t.last, n_fw), "loss gradient (eager autograd allocates it)")
+        # eager autograd allocates it, and torch.autograd.backward holds it (its
+        # grad_tensors) until backward returns: through every backward hook
+        add(t.nbytes, n_fw, end, "loss_gradient")
     add(units[ROOT], 0, fw[0][0] - 1 if num_layers else n_fw - 1, "root.all_gather_output.forward")
     add(units[ROOT], n_fw, end, "root.unsharded.backward")
     prefetch_from = n_fw
@@ -144,7 +146,7 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
     def across(a: int) -> int:
         """Bytes live both at step a - 1 and at step a (what a hook between them sees),
         with what an earlier hook between them (a post_backward) created."""
-        made_here = ("reduce_scatter_input", "gloo_reduce_scatter_copy", "sharded_gradient")
+        made_here = ("reduce_scatter_input", "gloo_reduce_scatter_copy", "sharded_gradient", "loss_gradient")
         return sum(s.nbytes for s in live if s.last >= a and (
             s.first <= a - 1 or (s.first == a and s.kind == "fsdp" and s.name.endswith(made_here))))
 
