@@ -3,6 +3,8 @@ its legal values, exit 2, before anything is traced."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -30,6 +32,7 @@ TINY = ["--model", "remat_pass.models:tiny_llama", "--batch", "4", "--layers", "
 
 
 @pytest.mark.parametrize("argv,says", [
+    (["--tp", "0"], ["--tp 0: must be 1 or more"]),
     (["--tp", "3"], ["--tp 3 does not divide", "heads = 4", "legal --tp values: [1, 2, 4]"]),
     (["--sp"], ["--sp", "--tp 2 or more"]),
     (["--pp", "8", "--microbatches", "8"], ["4 layers cannot be split evenly into 8 pipeline stages", "[1, 2, 4]"]),
@@ -57,3 +60,17 @@ def test_fsdp_on_a_model_without_per_layer_wrapping_exits_2(capsys):
 def test_plan_needs_a_device_memory_per_rank(capsys):
     assert main(["plan", *TINY, "--pp", "2", "--microbatches", "2"]) == EXIT_USAGE
     assert "--device-memory" in capsys.readouterr().err
+
+
+def test_sweep_prints_one_row_per_rank_and_setting(tmp_path, capsys):
+    """Two stages traced under the fake process group (~4 s), every setting of L_stage = 1."""
+    path = tmp_path / "pp.json"
+    assert main(["sweep", *TINY[:2], "--batch", "4", "--layers", "2", "--pp", "2", "--microbatches", "2",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["rows"]
+    settings = ["none", "uniform(K=1)", "block(N=1)"]  # L_stage = 1
+    assert [(r["schedule"], r["rank"]) for r in rows] == [(s, r) for s in settings for r in (0, 1)]
+    assert [r["in_flight"] for r in rows if r["schedule"] == "none"] == [2, 1]  # 1F1B: stage i holds p - i
+    assert all(r["predicted_peak_bytes"] > 0 and r["static_bytes"] > 0 for r in rows)
+    assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]) == len(rows)
