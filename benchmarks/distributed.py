@@ -1,6 +1,6 @@
 """Per-rank memory of parallel training steps: predicted vs measured on real process groups.
 
-    python benchmarks/distributed.py [--json PATH] [--only NAME ...] [--device cpu|cuda]
+    python benchmarks/distributed.py [--json PATH] [--only NAME ...] [--device cpu|cuda] [--repeats N]
 
 For each configuration the ranks are first planned in this process with the fake
 process group (``parallel_plan.predict_config``: no processes), then launched
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write one row per (configuration, schedule, rank)")
     ap.add_argument("--only", nargs="*", metavar="NAME", help="configurations to run (e.g. tp2-sp pp2-1f1b-m4)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, metavar="N",
+                    help="measured steps per setting and rank, instead of each configuration's own (1-5)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows, failures = [], []
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and case.config.name not in args.only:
             continue
         t0 = time.perf_counter()
+        if args.repeats:
+            case = dataclasses.replace(case, repeats=args.repeats)
         got, failure = run_case(case, args.device)
         print(f"{case.config.name}: {case.config.world_size} ranks, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         if failure:
