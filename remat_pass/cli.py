@@ -56,6 +56,7 @@ from .partition import Partition
 from .planner import max_batch_rows
 from .policies import KINDS, POLICIES, recompute_modules, save_policy
 from .static_memory import OPTIMIZERS
+from .cli_parallel import add_parallel_args, parallel_config, plan_parallel, sweep_parallel
 from .plot import plot_timeline
 from .regions import LayerStack
 from .report import (
@@ -94,8 +95,9 @@ def positive_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Add the options that choose the model and its input."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FACTORY",
-                   help="factory returning (model, example_inputs, loss_fn) (default: %(default)s)")
+    g.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                   help=f"factory returning (model, example_inputs, loss_fn) (default: {DEFAULT_MODEL}; "
+                        "with --tp / --pp / --fsdp: remat_pass.models:tiny_llama)")
     g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
     g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
@@ -140,16 +142,21 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
     Raises:
         ValueError: --model and --config both given.
     """
-    if args.config and args.model != DEFAULT_MODEL:
+    if args.config and args.model:
         raise ValueError("give --model or --config, not both")
     return WorkloadOptions(
-        model=args.model, config=args.config, task=args.task, meta=args.meta, dtype=args.dtype,
+        model=args.model or DEFAULT_MODEL, config=args.config, task=args.task, meta=args.meta, dtype=args.dtype,
         autocast=args.autocast, batch=args.batch, seq=args.seq, layers=args.layers,
         stack=tuple(args.stack) if args.stack else None, calibrate=not args.no_calibrate,
         calibration_cache=args.calibration_cache,
         seed=args.seed, target=args.target, gpu=args.gpu, optimizer=args.optimizer,
         master_weights=args.master_weights, device_memory=args.device_memory,
         trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None))
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The config file or factory the model arguments name."""
+    return args.config or args.model or DEFAULT_MODEL
 
 
 def load(args: argparse.Namespace) -> Workload:
@@ -280,6 +287,9 @@ def _whole_session(w: Workload, what: str) -> Session:
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run (or predict) every Megatron setting, or an op-level policy alone and with
     block N; print the table, write --json."""
+    config = parallel_config(args)
+    if config is not None:
+        return EXIT_OK if sweep_parallel(args, config) else EXIT_FAILED
     check_policy_names(args)
     w = load(args)
     t0 = time.perf_counter()
@@ -309,7 +319,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
         write_json(args.json, {
-            "model": args.config or args.model,
+            "model": _model_name(args),
             "description": w.description,
             "target": args.target,
             "allocator": w.allocator,
@@ -373,7 +383,7 @@ def _stacks_meta(w: Workload) -> dict:
 
 
 def _meta(args: argparse.Namespace, w: Workload) -> dict:
-    meta = {"model": args.config or args.model, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+    meta = {"model": _model_name(args), "batch": args.batch, "seq": args.seq, "layers": args.layers,
             "layer_stack": w.stack_path, "num_layers": w.num_layers, **_stacks_meta(w),
             "target": args.target if args.target != "cpu" else None, "predicted_only": w.predicted_only or None,
             "static_bytes": w.static.total_bytes if (args.optimizer != "none" or args.target != "cpu") else None}
@@ -444,7 +454,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(todo) == 1:
         markdown = parts[0]
     else:
-        markdown = (f"### remat-pass: predicted peaks of {args.config or args.model}\n\n" + summary_markdown(docs)
+        markdown = (f"### remat-pass: predicted peaks of {_model_name(args)}\n\n" + summary_markdown(docs)
                     + "\n\n" + "\n".join(f"<details><summary>{d['schedule']['provenance']}</summary>\n\n{t}\n"
                                            "</details>\n" for d, t in zip(docs, parts)))
     if args.optimizer != "none" or args.target != "cpu" or args.device_memory:
@@ -522,7 +532,7 @@ def _model_for_symbols(args: argparse.Namespace):  # noqa: ANN202
                          batch=args.batch or 2, seq=args.seq or 128, seed=args.seed, layers=args.layers)
         check_spec(config, spec)
         return build_from_config(config, spec)
-    return build_factory(args.model, meta=args.meta, dtype=args.dtype, batch=args.batch, seq=args.seq,
+    return build_factory(args.model or DEFAULT_MODEL, meta=args.meta, dtype=args.dtype, batch=args.batch, seq=args.seq,
                          layers=args.layers)
 
 
@@ -564,7 +574,12 @@ def _budget(args: argparse.Namespace, w: Workload | None) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The optimized schedule under --budget / --device-memory (or the largest batch per schedule)."""
+    """The optimized schedule under --budget / --device-memory (or the largest batch per
+    schedule); per rank and pipeline stage with --tp / --pp / --fsdp."""
+    config = parallel_config(args)
+    if config is not None:
+        plan_parallel(args, config)
+        return EXIT_OK
     if args.max_batch:
         budget = _budget(args, None)
         model, inputs, loss_fn = _model_for_symbols(args)
@@ -663,6 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="predicted vs measured peak for none, uniform K=1..L, block N=0..L")
     add_model_args(p)
     add_policy_args(p)
+    add_parallel_args(p)
+    p.add_argument("--measure", action="store_true",
+                   help="per-rank: also launch the ranks on gloo and measure every rank (multi-process)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="per-rank --measure: measured steps per setting")
+    p.add_argument("--allocator", choices=("cpu", "cuda"),
+                   help="allocator model for the predicted bytes (default: the --target's; per-rank: cpu)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("inspect", help="the rewritten forward/backward graphs, saved activations, recompute segments")
@@ -703,6 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--budget", metavar="SIZE", help="peak budget (activation bytes): bytes or 1.5GiB, 800MiB, 2GB; "
                    "or give --device-memory")
+    add_parallel_args(p)
+    p.add_argument("--allocator", choices=("cpu", "cuda"),
+                   help="allocator model for the predicted bytes (default: the --target's; per-rank: cpu)")
     p.add_argument("--max-batch", action="store_true",
                    help="instead: the largest batch that fits the budget, per Megatron schedule")
     p.add_argument("--granularity", choices=("layer", "op"), default="layer",

@@ -5,10 +5,15 @@ costs nothing of its own. FLOPs are counted with PyTorch's flop formulas
 (``torch.utils.flop_counter.flop_registry``, the formulas ``FlopCounterMode`` uses):
 matmuls, convolutions and attention; elementwise ops count 0, as there. Bytes moved
 (``bytes_moved``) is what a memory-bound op reads and writes.
+
+Functional collectives (``torch.ops._c10d_functional``, what a tensor-parallel rank's
+graph holds) follow the run-time rules of ``COLLECTIVE_RULES``, which liveness applies
+through ``run_alias_of``, ``collective_rule`` and ``wait_of``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -110,6 +115,93 @@ def _wrapped_scalar_bytes(out: Any) -> int:
     return 8 + (size if size != 8 else 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveRule:
+    """What a functional collective keeps alive at run time beyond its graph edges.
+
+    Attributes:
+        input_held_until_wait: the c10d Work holds the collective's input until its
+            ``wait_tensor`` (``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+            call ``_allgather_base(out, in)`` / ``_reduce_scatter_base(out, in)``);
+            ``all_reduce`` clones its input into its output and reduces in place, so
+            its input dies at its last graph use.
+        call_scratch: backend scratch live during the collective's own step:
+            ``"input"`` or ``"output"`` (that many bytes), or None.
+        held_scratch: backend scratch live from the call to the wait, or None.
+    """
+
+    input_held_until_wait: bool
+    call_scratch: str | None = None
+    held_scratch: str | None = None
+
+
+# (backend, op) -> rule. gloo on CPU, torch 2.13, measured with the profiler's allocator
+# events per node (ProcessGroupGloo: the all-gather copies its input into a flat buffer
+# in the call and a worker thread (``pt_gloo_runloop``) allocates an output-sized buffer
+# until the collective completes, charged here until the wait, an upper bound; the
+# reduce-scatter keeps a copy of its input with the Work). nccl writes into the output
+# and keeps input and output by record_stream until the collective ends on its stream:
+# no scratch (not calibrated on a device).
+COLLECTIVE_RULES = {
+    ("gloo", "all_gather_into_tensor"): CollectiveRule(True, call_scratch="input", held_scratch="output"),
+    ("gloo", "reduce_scatter_tensor"): CollectiveRule(True, held_scratch="input"),
+    ("gloo", "all_reduce"): CollectiveRule(False),
+    ("nccl", "all_gather_into_tensor"): CollectiveRule(True),
+    ("nccl", "reduce_scatter_tensor"): CollectiveRule(True),
+    ("nccl", "all_reduce"): CollectiveRule(False),
+}
+BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def _functional_op(node: fx.Node) -> str | None:
+    """The ``_c10d_functional`` op name of ``node`` (``"all_reduce"``), or None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.namespace != "_c10d_functional":
+        return None
+    return node.target._schema.name.split("::")[-1]
+
+
+def run_alias_of(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output is at run time although the op's
+    schema declares no alias: ``wait_tensor(x)`` returns ``x`` itself (the collective's
+    output), while its FakeTensor has a storage of its own."""
+    if _functional_op(node) == "wait_tensor" and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+def wait_of(node: fx.Node) -> fx.Node | None:
+    """The ``wait_tensor`` that completes the collective ``node`` (None if none)."""
+    for user in node.users:
+        if _functional_op(user) == "wait_tensor":
+            return user
+    return None
+
+
+def collective_rule(node: fx.Node, device: str = "cpu") -> CollectiveRule | None:
+    """The run-time rule of a functional collective on ``device``'s backend (gloo on
+    CPU, nccl on CUDA), None for any other node or an unlisted collective."""
+    op = _functional_op(node)
+    if op is None or op == "wait_tensor":
+        return None
+    return COLLECTIVE_RULES.get((BACKEND_OF_DEVICE.get(device, ""), op))
+
+
+def _rule_bytes(node: fx.Node, which: str | None) -> Any:
+    if which is None:
+        return 0
+    val = node.args[0].meta.get("val") if which == "input" and isinstance(node.args[0], fx.Node) else node.meta.get("val")
+    return storage_nbytes(val) if isinstance(val, torch.Tensor) else 0
+
+
+def held_scratch_bytes(node: fx.Node, device: str = "cpu") -> Any:
+    """Bytes a collective's backend holds from its call to its ``wait_tensor``
+    (``CollectiveRule.held_scratch``; 0 for other nodes)."""
+    rule = collective_rule(node, device)
+    return _rule_bytes(node, rule.held_scratch) if rule is not None else 0
+
+
 def transient_bytes(node: fx.Node) -> int:
     """Bytes an op allocates and frees inside itself on CPU (0 where none is known).
 
@@ -117,11 +209,15 @@ def transient_bytes(node: fx.Node) -> int:
     events: dropout (``aten/src/ATen/native/Dropout.cpp``), binary ops and ``mean``
     with a Python-number operand (the number is wrapped in a 0-dim tensor, then cast),
     and ``torch._prims.rng_prims.run_with_rng_state``, which reads the current RNG state
-    (a copy of ``torch.get_rng_state()``) to restore it afterwards. Other ops' scratch
+    (a copy of ``torch.get_rng_state()``) to restore it afterwards; a gloo collective's
+    in-call scratch (``COLLECTIVE_RULES``). Other ops' scratch
     space (e.g. bfloat16 matmul buffers) is not modelled; on CUDA 0 is returned.
     """
     if node.op != "call_function":
         return 0
+    rule = collective_rule(node, "cpu")
+    if rule is not None:
+        return _rule_bytes(node, rule.call_scratch)
     name = getattr(node.target, "__name__", "")
     val = node.meta.get("val")
     if name == "run_and_save_rng_state":  # val = (rng state, the op's output)

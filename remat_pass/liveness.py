@@ -28,6 +28,12 @@ Memory model (DESIGN.md, Memory accounting):
 Ignored: allocator fragmentation and caching, non-tensor values, memory that is not a
 c10 allocation (MKL's and oneDNN's own buffers, ``std::vector`` in kernels), and
 allocations on OpenMP worker threads (the CPU profiler does not see them either).
+
+Functional collectives (a tensor-parallel rank's graph) follow their run-time rules
+(``costs.COLLECTIVE_RULES``): ``wait_tensor``'s output is the collective's output
+storage (``costs.run_alias_of``); an all-gather or reduce-scatter keeps its input alive
+until its wait; backend scratch held from the call to the wait is a storage of kind
+``"scratch"`` over those steps (``held_scratch_of``).
 """
 
 from __future__ import annotations
@@ -39,8 +45,16 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .costs import node_flops, same_storage, tensor_val
-from .memory_model import ALLOCATORS, SOURCES, MemoryModel, NodeMemory
+from .costs import (
+    collective_rule,
+    held_scratch_bytes,
+    node_flops,
+    run_alias_of,
+    same_storage,
+    tensor_val,
+    wait_of,
+)
+from .memory_model import ALLOCATORS, CUDA_BLOCK_BYTES, SOURCES, MemoryModel, NodeMemory
 from .op_signature import output_values
 from .rewrite import RewrittenStep
 from .schedule import recompute_fraction
@@ -171,6 +185,15 @@ def storage_bytes(val: torch.Tensor, allocator: str = "cpu") -> int:
     return MemoryModel(device=allocator, allocator=allocator).storage_bytes(val)
 
 
+def collective_scratch_bytes(node: fx.Node, allocator: str = "cpu") -> Any:
+    """Bytes a collective's backend holds from its call to its wait under ``allocator``
+    (gloo on CPU, nccl on CUDA; ``costs.held_scratch_bytes``), rounded like a block."""
+    nbytes = held_scratch_bytes(node, allocator)
+    if allocator == "cuda" and isinstance(nbytes, int) and nbytes > 0:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
 @dataclasses.dataclass
 class Intervals:
     """The storages of a rewritten step and the steps they are live at.
@@ -226,7 +249,8 @@ def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None
 
 
 def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
-                   scratch_of: Callable[[fx.Node], Any] | None = None) -> Intervals:
+                   scratch_of: Callable[[fx.Node], Any] | None = None,
+                   held_scratch_of: Callable[[fx.Node], Any] | None = None) -> Intervals:
     """Storages of ``step`` with their live intervals (the memory model above).
 
     Args:
@@ -235,6 +259,9 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
             computation never looks at sizes, so they may be symbolic (polynomials).
         scratch_of: ``scratch_of(node) -> bytes`` an op allocates and frees inside
             itself (in the units of ``size_of``); None: no scratch.
+        held_scratch_of: ``held_scratch_of(node) -> bytes`` a collective's backend
+            holds from the collective's step to its ``wait_tensor``'s step
+            (``collective_scratch_bytes``); None: none.
 
     Returns:
         The Intervals. The steps and intervals depend only on the graphs, not on sizes.
@@ -243,12 +270,16 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
     saved_sids = builder.forward()
     builder.backward(saved_sids)
     steps = builder.fw_steps + builder.bw_steps
-    if scratch_of is not None:
-        for i, n in enumerate(steps):
-            scratch = scratch_of(n)
+    builder.hold_collective_inputs()
+    for i, n in enumerate(steps):
+        extra = [(scratch_of(n) if scratch_of is not None else 0, i)]
+        if held_scratch_of is not None:
+            w = wait_of(n)
+            extra.append((held_scratch_of(n), builder.step_of.get(w, i)))
+        for scratch, last in extra:
             if scratch:
                 builder.storages.append(
-                    Storage(scratch, i, i, n.name, step.layer_of.get(n.name), "scratch", False))
+                    Storage(scratch, i, last, n.name, step.layer_of.get(n.name), "scratch", False))
     return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids, builder.sid_of)
 
 
@@ -285,7 +316,10 @@ def memory_intervals(step: RewrittenStep, memory: MemoryModel) -> tuple[Interval
         m = by_node.get(node)
         return 0 if m is None else m.scratch_bytes
 
-    return live_intervals(step, size_of, scratch_of), per_step
+    def held_scratch_of(node: fx.Node) -> Any:
+        return collective_scratch_bytes(node, memory.allocator)
+
+    return live_intervals(step, size_of, scratch_of, held_scratch_of), per_step
 
 
 class _IntervalBuilder:
@@ -326,8 +360,24 @@ class _IntervalBuilder:
             uses.append(graph_end)
         return max(uses) if uses else self.step_of.get(node, -1)
 
+    def hold_collective_inputs(self) -> None:
+        """Extend the input of every all-gather / reduce-scatter to its wait's step
+        (``costs.CollectiveRule.input_held_until_wait``)."""
+        for n in self.fw_steps + self.bw_steps:
+            rule = collective_rule(n)
+            w = wait_of(n)
+            if rule is not None and rule.input_held_until_wait and w in self.step_of:
+                inp = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+                sid = self.sid_of.get(inp) if inp is not None else None
+                if isinstance(sid, int) and not self.storages[sid].static:
+                    self.touch(sid, self.step_of[w])
+
     def alias_of(self, val: torch.Tensor, node: fx.Node) -> int | None:
-        """The storage id of an input of ``node`` that ``val`` is a view of, if any."""
+        """The storage id of an input of ``node`` that ``val`` is a view of, if any
+        (or that ``node`` returns at run time, ``costs.run_alias_of``)."""
+        source = run_alias_of(node)
+        if source is not None and isinstance(self.sid_of.get(source), int):
+            return self.sid_of[source]
         for a in node.all_input_nodes:
             s = self.sid_of.get(a)
             av = a.meta.get("val")
@@ -364,8 +414,9 @@ class _IntervalBuilder:
         for n in self.fw_nodes:
             if n.op == "placeholder":
                 val = tensor_val(n)
-                if val is not None:
+                if val is not None:  # static; its last use is recorded all the same
                     self.sid_of[n] = self.primal_sid[n.name] = self.new_storage(val, n, True, "static")
+                    self.touch(self.sid_of[n], self.last_use(n, len(self.fw_steps) - 1))
             elif n.op != "output":
                 self.visit(n, len(self.fw_steps) - 1, "forward")
         outs = list(self.fw_nodes[-1].args[0])

@@ -8,6 +8,7 @@ line's ``--model module:factory`` takes any such callable; ``--batch``, ``--seq`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -140,6 +141,179 @@ def tiny_gpt(
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     return model, (ids,), loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """How a model splits into pipeline stages (torchtitan's convention): every stage
+    is a copy of the model that keeps its share of the layer stack; modules of
+    ``first`` stay only on the first stage and modules of ``last`` only on the last,
+    the others are set to None and the model's forward skips them (so a middle stage
+    maps an activation ``[batch, seq, hidden]`` to one of the same shape, and the last
+    stage returns the loss when given the targets).
+
+    Attributes:
+        stack: module path of the layer stack (an ``nn.ModuleList``).
+        first, last: attribute names of the outer modules of the first / last stage.
+        hidden: the hidden size (the last dimension of the activation between stages).
+    """
+
+    stack: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    hidden: int
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q / k / v / o projections (Llama's layout;
+    grouped-query when ``kv_heads < heads``). Head counts are read off the projected
+    shapes, so a tensor-parallel shard runs its local heads (torchtitan's Llama)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, bias: bool = False):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=bias)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (``w2(silu(w1 x) * w3 x)``, Llama) or GELU (``w2(gelu(w1 x))``, GPT-3)."""
+
+    def __init__(self, dim: int, ffn: int, mlp: str = "swiglu", bias: bool = False):
+        super().__init__()
+        self.mlp = mlp
+        self.w1 = nn.Linear(dim, ffn, bias=bias)
+        self.w2 = nn.Linear(ffn, dim, bias=bias)
+        self.w3 = nn.Linear(dim, ffn, bias=bias) if mlp == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); h + feed_forward(norm(h))``."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, norm: str, mlp: str, bias: bool):
+        super().__init__()
+        make_norm = (lambda: nn.RMSNorm(dim)) if norm == "rms" else (lambda: nn.LayerNorm(dim))
+        self.attention_norm = make_norm()
+        self.attention = Attention(dim, heads, kv_heads, bias)
+        self.ffn_norm = make_norm()
+        self.feed_forward = FeedForward(dim, ffn, mlp, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TransformerLM(nn.Module):
+    """A decoder-only LM in torchtitan's Llama layout (``tok_embeddings``, ``layers``,
+    ``norm``, ``output``), RMSNorm + SwiGLU (Llama) or LayerNorm + GELU (GPT-3), no
+    position embedding (rotary or learned: neither changes what a layer saves much). ``forward(tokens, targets=None)``: logits,
+    or the fp32 next-token cross entropy when ``targets`` are given. Pipeline stages
+    and tensor parallelism: ``pipeline_layout`` and ``tensor_parallel_plan``.
+    """
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, ffn: int,
+                 kv_heads: int | None = None, norm: str = "rms", mlp: str = "swiglu", bias: bool = False):
+        super().__init__()
+        kv = kv_heads or heads
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, heads, kv, ffn, norm, mlp, bias) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim) if norm == "rms" else nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.pipeline_layout = PipelineLayout("layers", ("tok_embeddings",), ("norm", "output"), dim)
+        self.shape = {"vocab": vocab, "dim": dim, "heads": heads, "kv_heads": kv, "ffn": ffn, "seq": seq}
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        if self.output is None:
+            return h
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """torchtitan's ``apply_tp`` for Llama (loss_parallel off: the head's logits are
+        all-gathered): ``(plan of the outer modules, plan of each layer)`` for
+        ``torch.distributed.tensor.parallel.parallelize_module``. With sequence
+        parallelism (Korthikanti et al. 2022) norms and residuals are sharded on the
+        sequence dimension (``Shard(1)``) and the row-parallel outputs reduce-scatter;
+        without it they are replicated and the row-parallel outputs all-reduce.
+        Modules set to None (other pipeline stages') are left out."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        between = Shard(1) if sequence_parallel else Replicate()
+        top: dict[str, Any] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate(), use_local_output=True),
+        }
+        if sequence_parallel:
+            top["norm"] = SequenceParallel()
+        layer = {
+            "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
+            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        }
+        if self.layers and self.layers[0].feed_forward.w3 is not None:
+            layer["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            layer["attention_norm"] = SequenceParallel()
+            layer["ffn_norm"] = SequenceParallel()
+        top = {k: v for k, v in top.items() if getattr(self, k) is not None}
+        return top, layer
+
+
+def tiny_llama(
+    batch: int = 4,
+    seq: int = 32,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    ffn: int = 128,
+    vocab: int = 128,
+    norm: str = "rms",
+    mlp: str = "swiglu",
+    seed: int = 0,
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], None]:
+    """Factory for a small ``TransformerLM`` (the model of the distributed runs: it
+    splits into pipeline stages and has torchtitan's tensor-parallel plan).
+
+    Returns:
+        ``(model, (ids, targets), None)``: ids and targets ``[batch, seq]`` int64; the
+        model returns the loss when given the targets, so microbatches split both.
+    """
+    torch.manual_seed(seed)
+    model = TransformerLM(vocab, hidden, heads, layers, seq, ffn, kv_heads, norm, mlp).train()
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return model, (ids, torch.roll(ids, -1, dims=1)), None
 
 
 def linear_chain(

@@ -43,16 +43,27 @@ class JointGraph:
     Attributes:
         gm: the joint GraphModule. Placeholders are ``primals_*`` (one per flat input,
             in the order of ``primal_values``) then ``tangents_*``; the output is a flat
-            list: ``num_fwd_outputs`` forward outputs (the loss) then one gradient per
-            primal (None where the primal does not require grad).
+            list: ``num_fwd_outputs`` forward outputs (the loss, or a pipeline stage's
+            output activation) then one gradient per primal (None where the primal does
+            not require grad, and for opaque primals).
         primals: names of the primal placeholders, in order.
         tangents: names of the tangent placeholders, in order.
-        num_fwd_outputs: number of forward outputs (1: the scalar loss).
-        primal_values: the real tensors fed to the primals: parameters, then buffers,
-            then the tensors of the example inputs.
-        primal_kinds: "param", "buffer" or "input" for each primal.
-        primal_labels: the parameter / buffer name or "input[i]" for each primal.
-        tangent_values: the real tangents (``ones_like(loss)``).
+        num_fwd_outputs: number of forward outputs (1: the scalar loss, or the output
+            activation of a pipeline stage traced with ``output="activation"``).
+        primal_values: the real values fed to the primals: parameters, then buffers,
+            then the tensors of the example inputs. A tensor subclass (a DTensor
+            parameter under tensor parallelism) is flattened as AOTAutograd flattens it
+            (``__tensor_flatten__``): its inner tensors (the local shard) and its
+            opaque attributes (the device mesh) each fill one primal.
+        primal_kinds: "param", "buffer" or "input" for each primal, or "opaque" for a
+            non-tensor attribute of a flattened tensor subclass.
+        primal_labels: the parameter / buffer name or "input[i]" for each primal
+            (``name.attr`` for the parts of a flattened subclass other than the first).
+        tangent_values: the real tangents: ``ones_like(loss)``, or for a stage the
+            incoming gradient of its output activation (``ones`` unless given).
+        output: ``"loss"`` (a whole training step) or ``"activation"`` (a pipeline
+            stage that is not the last: forward output 0 is the activation sent to the
+            next stage and its tangent is the gradient received from it).
         model: the traced module (its parameters are the "param" primals); None for a
             graph that Dynamo captured (the torch.compile backend sees no module, and
             ``primal_values`` / ``tangent_values`` are then its fake example values).
@@ -79,11 +90,19 @@ class JointGraph:
     symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
     shape_env: Any = None
     fake: bool = False
+    output: str = "loss"
 
     @property
     def num_params(self) -> int:
-        """Number of primals that are model parameters."""
+        """Number of primals that are model parameters (their indices:
+        ``param_indices``; they are the first primals unless a flattened tensor subclass
+        interleaves opaque primals)."""
         return self.primal_kinds.count("param")
+
+    @property
+    def param_indices(self) -> tuple[int, ...]:
+        """Indices of the primals (and of their gradient outputs) that are parameters."""
+        return tuple(i for i, kind in enumerate(self.primal_kinds) if kind == "param")
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -195,6 +214,33 @@ def _describe_value(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+OUTPUTS = ("loss", "activation")
+
+
+def extract_output(output: Any, loss_fn: LossFn | None, kind: str) -> torch.Tensor:
+    """The traced forward output: the scalar loss (``kind="loss"``, see
+    ``extract_loss``) or a pipeline stage's output activation (``kind="activation"``:
+    ``loss_fn(output)`` when given, else ``output``, which must be one tensor).
+
+    Raises:
+        RematError: no scalar loss, or a stage output that is not one tensor that
+            requires grad.
+        ValueError: ``kind`` is not one of ``OUTPUTS``.
+    """
+    if kind == "loss":
+        return extract_loss(output, loss_fn)
+    if kind != "activation":
+        raise ValueError(f"output={kind!r} is not one of {OUTPUTS}")
+    out = loss_fn(output) if loss_fn is not None else output
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point():
+        raise RematError(
+            "a pipeline stage traced with output='activation' must return one floating-point "
+            f"tensor that requires grad (the activation sent to the next stage); it returned "
+            f"{type(out).__name__}"
+        )
+    return out
+
+
 def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar loss of one model output.
 
@@ -247,12 +293,18 @@ class FlatStep:
     num_params_buffers: int
 
 
-def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | None) -> FlatStep:
-    """``loss_fn(model(*example_inputs))`` as a function of flat primals (see FlatStep).
+def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | None,
+                 output: str = "loss") -> FlatStep:
+    """``loss_fn(model(*example_inputs))`` as a function of flat primals (see FlatStep);
+    with ``output="activation"`` the function returns a pipeline stage's output
+    activation (``extract_output``).
 
     Raises:
         TypeError: ``example_inputs`` is not a Tensor, tuple / list or dict.
+        ValueError: ``output`` is not one of ``OUTPUTS``.
     """
+    if output not in OUTPUTS:
+        raise ValueError(f"output={output!r} is not one of {OUTPUTS}")
     args, kwargs = _split_inputs(example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -283,7 +335,7 @@ def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | 
         bound = {id(t): v for t, v in zip(originals, flat)}
         with record_module_stack(model), bind_tensors(model, bound):
             out = model(*a, **k)
-        return extract_loss(out, loss_fn)
+        return extract_output(out, loss_fn, output)
 
     return FlatStep(
         fn=step,
@@ -301,6 +353,8 @@ def trace_joint(
     example_inputs: Any,
     loss_fn: LossFn | None = None,
     symbols: Mapping[str, Any] | None = None,
+    output: str = "loss",
+    tangent_values: Sequence[torch.Tensor] | None = None,
 ) -> JointGraph:
     """Trace ``loss = loss_fn(model(*example_inputs)); loss.backward()`` as one joint graph.
 
@@ -319,6 +373,21 @@ def trace_joint(
             sympy expression of the symbols (``JointGraph.symbols`` maps the names).
             Tensors the loss or model build from outside the inputs keep their
             concrete shape, so keep every shape-carrying tensor among the inputs.
+        output: ``"loss"`` (default): the step ends in a scalar loss. ``"activation"``:
+            a pipeline stage that is not the last (GPipe / 1F1B, Huang et al. 2019;
+            Narayanan et al. 2021): the model returns the activation it sends to the
+            next stage (``loss_fn`` may pick it out of the output), its tangent is the
+            gradient that stage sends back, and every example input that requires grad
+            (the activation received from the previous stage) gets a gradient output.
+        tangent_values: with ``output="activation"``, the incoming gradient (one
+            tensor of the output's shape); default ``ones``. Its values matter only for
+            running the step, not for its graph or memory.
+
+    Tensor-subclass parameters (DTensor under ``torch.distributed.tensor.parallel``)
+    are desugared by AOTAutograd into their local shards and opaque attributes (the
+    device mesh); ``primal_values`` is flattened the same way and an opaque primal's
+    gradient output (AOTAutograd returns the placeholder itself) becomes None. The
+    joint graph then holds the rank's local shapes and its functional collectives.
 
     Returns:
         The JointGraph (AOTAutograd's joint graph before partitioning). A model built
@@ -343,7 +412,7 @@ def trace_joint(
         >>> j.primals[:2], j.num_fwd_outputs
         (['primals_1', 'primals_2'], 1)
     """
-    flat = flatten_step(model, example_inputs, loss_fn)
+    flat = flatten_step(model, example_inputs, loss_fn, output)
     refuse_meta_tensors(flat)
     trace_values: list[Any] = list(flat.primal_values)
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
@@ -361,7 +430,7 @@ def trace_joint(
             _explain_untraceable(flat.fn, flat.primal_values, e)
         raise
     return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
-                       fake=fake)
+                       fake=fake, output=output, tangent_values=tangent_values)
 
 
 def refuse_meta_tensors(flat: FlatStep) -> None:
@@ -393,6 +462,8 @@ def joint_graph(
     shape_env: Any,
     primal_values: Sequence[torch.Tensor] | None = None,
     fake: bool = False,
+    output: str = "loss",
+    tangent_values: Sequence[torch.Tensor] | None = None,
 ) -> JointGraph:
     """The JointGraph of a captured joint graph, after checking it is a training step.
 
@@ -407,6 +478,9 @@ def joint_graph(
             ``flat.primal_values``).
         fake: the primal values are FakeTensors; the tangents are then the fake values of
             the tangent placeholders instead of real ``ones``.
+        output, tangent_values: see ``trace_joint`` (a pipeline stage's activation
+            output and the gradient it receives). Tensor-subclass primals (DTensor) are
+            flattened as AOTAutograd flattens them (``flatten_primals``).
 
     Raises:
         UnsupportedGraph: more than one forward output, primals lost, or no gradient
@@ -423,10 +497,13 @@ def joint_graph(
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
     tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
+    values, kinds, labels = flatten_primals(values, flat.primal_kinds, flat.primal_labels)
     if len(primals) != len(values):
         raise UnsupportedGraph(
             f"the joint graph has {len(primals)} primals for {len(values)} inputs"
         )
+    _drop_opaque_gradients(joint, kinds, num_fwd_outputs)
     grads = list(joint.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
     if not any(isinstance(g, fx.Node) for g in grads):
         raise UnsupportedGraph(
@@ -437,21 +514,21 @@ def joint_graph(
     if fake:
         tangent_values = [joint.graph.find_nodes(op="placeholder", target=t)[0].meta["val"] for t in tangents]
     else:
-        tangent_values = _tangent_values(joint, tangents)
-    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
+        tangent_values = _tangent_values(joint, tangents, tangent_values)
     return JointGraph(
         gm=joint,
         primals=primals,
         tangents=tangents,
         num_fwd_outputs=num_fwd_outputs,
         primal_values=values,
-        primal_kinds=list(flat.primal_kinds),
-        primal_labels=list(flat.primal_labels),
+        primal_kinds=kinds,
+        primal_labels=labels,
         tangent_values=tangent_values,
         model=model,
         symbols=named_symbols,
         shape_env=shape_env,
         fake=fake,
+        output=output,
     )
 
 
@@ -591,13 +668,76 @@ def _explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Seque
     ) from error.__cause__
 
 
-def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str]) -> list[torch.Tensor]:
-    """``ones`` of each tangent placeholder's shape (the gradient of a scalar loss)."""
+def flatten_primals(values: Sequence[Any], kinds: Sequence[str],
+                    labels: Sequence[str]) -> tuple[list[Any], list[str], list[str]]:
+    """Flatten tensor-subclass values as AOTAutograd flattens its inputs.
+
+    A traceable wrapper subclass (``DTensor``) becomes the values of the attributes its
+    ``__tensor_flatten__`` names, in that order and recursively: inner tensors keep the
+    kind of the value; other attributes (the ``DeviceMesh``) get kind ``"opaque"``.
+    Plain tensors pass through.
+
+    Returns:
+        ``(values, kinds, labels)`` with one entry per joint-graph primal.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out_v: list[Any] = []
+    out_k: list[str] = []
+    out_l: list[str] = []
+
+    def visit(v: Any, kind: str, label: str) -> None:
+        if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
+            attrs, _ = v.__tensor_flatten__()
+            for i, attr in enumerate(attrs):
+                visit(getattr(v, attr), kind, label if i == 0 else f"{label}.{attr}")
+        elif isinstance(v, torch.Tensor):
+            out_v.append(v), out_k.append(kind), out_l.append(label)
+        else:
+            out_v.append(v), out_k.append("opaque"), out_l.append(label)
+
+    for v, k, lab in zip(values, kinds, labels):
+        visit(v, k, lab)
+    return out_v, out_k, out_l
+
+
+def _drop_opaque_gradients(joint: fx.GraphModule, kinds: Sequence[str], num_fwd_outputs: int) -> None:
+    """AOTAutograd returns an opaque primal (a device mesh) as its own "gradient"; make
+    that gradient output None, as for any primal without a gradient."""
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    changed = False
+    for i, kind in enumerate(kinds):
+        j = num_fwd_outputs + i
+        if kind == "opaque" and j < len(outs) and outs[j] is not None:
+            outs[j] = None
+            changed = True
+    if changed:
+        out.args = (outs,)
+        joint.graph.lint()
+        joint.recompile()
+
+
+def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str],
+                    given: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``given`` (checked against the placeholders' shapes), or ``ones`` of each tangent
+    placeholder's shape (the gradient of a scalar loss).
+
+    Raises:
+        ValueError: ``given`` does not match the tangents in number or shape.
+    """
     out = []
-    for name in tangents:
+    if given is not None and len(given) != len(tangents):
+        raise ValueError(f"tangent_values: {len(given)} tensors for {len(tangents)} tangents")
+    for i, name in enumerate(tangents):
         val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
         shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
-        out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
+        if given is not None:
+            if list(given[i].shape) != shape:
+                raise ValueError(f"tangent_values[{i}] has shape {list(given[i].shape)}; the output has {shape}")
+            out.append(given[i])
+        else:
+            out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
     return out
 
 

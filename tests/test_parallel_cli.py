@@ -1,0 +1,76 @@
+"""Bad parallel settings on the command line: a clear message naming the setting and
+its legal values, exit 2, before anything is traced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from remat_pass.cli import EXIT_USAGE, main
+
+
+class NoStack(nn.Module):
+    """Two different layers: nothing to wrap with fully_shard per layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def no_stack(batch: int = 4) -> tuple[nn.Module, tuple[torch.Tensor], None]:
+    return NoStack(), (torch.randn(batch, 8),), None
+
+
+TINY = ["--model", "remat_pass.models:tiny_llama", "--batch", "4", "--layers", "4"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--tp", "0"], ["--tp 0: must be 1 or more"]),
+    (["--tp", "3"], ["--tp 3 does not divide", "heads = 4", "legal --tp values: [1, 2, 4]"]),
+    (["--sp"], ["--sp", "--tp 2 or more"]),
+    (["--pp", "8", "--microbatches", "8"], ["4 layers cannot be split evenly into 8 pipeline stages", "[1, 2, 4]"]),
+    (["--pp", "2", "--microbatches", "3"], ["--microbatches 3 does not divide the global batch 4", "[1, 2, 4]"]),
+    (["--pp", "4", "--microbatches", "2"], ["1f1b needs at least as many microbatches as pipeline stages", "m=2 < p=4"]),
+    (["--pp", "2", "--vpp", "3", "--pipeline-schedule", "interleaved", "--microbatches", "2"],
+     ["4 layers cannot be split evenly into 6 pipeline stages"]),
+    (["--pp", "2", "--vpp", "2", "--microbatches", "2"], ["--vpp 2 needs --pipeline-schedule interleaved"]),
+    (["--pp", "2", "--microbatches", "2", "--pipeline-schedule", "zero-bubble"], ["'zero-bubble' is not one of"]),
+])
+def test_bad_parallel_setting_exits_2_with_the_legal_values(argv, says, capsys):
+    assert main(["sweep", *TINY, *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("remat-pass: error:") and "Traceback" not in err
+    for text in says:
+        assert text in err, err
+
+
+def test_fsdp_on_a_model_without_per_layer_wrapping_exits_2(capsys):
+    assert main(["sweep", "--model", "test_parallel_cli:no_stack", "--fsdp", "2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--fsdp wraps each layer with fully_shard" in err and "no layer stack" in err
+
+
+def test_plan_needs_a_device_memory_per_rank(capsys):
+    assert main(["plan", *TINY, "--pp", "2", "--microbatches", "2"]) == EXIT_USAGE
+    assert "--device-memory" in capsys.readouterr().err
+
+
+def test_sweep_prints_one_row_per_rank_and_setting(tmp_path, capsys):
+    """Two stages traced under the fake process group (~4 s), every setting of L_stage = 1."""
+    path = tmp_path / "pp.json"
+    assert main(["sweep", *TINY[:2], "--batch", "4", "--layers", "2", "--pp", "2", "--microbatches", "2",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["rows"]
+    settings = ["none", "uniform(K=1)", "block(N=1)"]  # L_stage = 1
+    assert [(r["schedule"], r["rank"]) for r in rows] == [(s, r) for s in settings for r in (0, 1)]
+    assert [r["in_flight"] for r in rows if r["schedule"] == "none"] == [2, 1]  # 1F1B: stage i holds p - i
+    assert all(r["predicted_peak_bytes"] > 0 and r["static_bytes"] > 0 for r in rows)
+    assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]) == len(rows)
