@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -177,24 +177,47 @@ class Intervals:
         fw_steps, bw_steps: the nodes run as steps, forward then backward; step ``i``
             is ``(fw_steps + bw_steps)[i]``.
         saved_sids: index into ``storages`` of each saved value (None: not a tensor).
+        output_sids: index into ``storages`` of each forward output (the loss first;
+            None: not a tensor).
+        gradient_sids: index into ``storages`` of each backward output (one per primal;
+            None: no gradient or not a tensor).
     """
 
     storages: list[Storage]
     fw_steps: list[fx.Node]
     bw_steps: list[fx.Node]
     saved_sids: list[Any]
+    output_sids: list[Any] = dataclasses.field(default_factory=list)
+    gradient_sids: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def steps(self) -> list[fx.Node]:
         """Forward steps, then backward steps."""
         return self.fw_steps + self.bw_steps
 
+    @property
+    def num_steps(self) -> int:
+        """Forward steps plus backward steps."""
+        return len(self.fw_steps) + len(self.bw_steps)
 
-def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None, zero: Any = 0) -> list[Any]:
+
+class SweepIntervals(Protocol):
+    """What ``live_timeline`` reads: storages with ``nbytes``, ``first``, ``last`` and
+    ``static`` (``Storage`` or any object with those fields) over ``num_steps`` steps.
+    ``Intervals`` is one; ``step_composition.StepIntervals`` (several graphs composed
+    into one step) is another."""
+
+    storages: Sequence[Any]
+
+    @property
+    def num_steps(self) -> int: ...
+
+
+def live_timeline(iv: SweepIntervals, select: Callable[[Any], bool] | None = None, zero: Any = 0) -> list[Any]:
     """Activation bytes live at every step: the one sweep every view of liveness uses.
 
     Args:
-        iv: ``live_intervals`` output.
+        iv: ``live_intervals`` output (or any ``SweepIntervals``, e.g. a composed step).
         select: count only the storages it accepts (e.g. one layer's); default: all.
         zero: the additive zero of the sizes (``0``, or ``solvers.poly.Poly()`` for
             polynomial sizes); sizes need only ``+`` and ``-``.
@@ -203,7 +226,7 @@ def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None
         One value per step (forward steps then backward steps): the sum of the sizes of
         the non-static storages live there, scratch included.
     """
-    n = len(iv.fw_steps) + len(iv.bw_steps)
+    n = iv.num_steps
     delta = [zero] * (n + 1)
     for s in iv.storages:
         if s.static or not s.nbytes or (select is not None and not select(s)):
@@ -218,7 +241,8 @@ def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None
 
 
 def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
-                   scratch_of: Callable[[fx.Node], Any] | None = None) -> Intervals:
+                   scratch_of: Callable[[fx.Node], Any] | None = None,
+                   hold_outputs: bool = True) -> Intervals:
     """Storages of ``step`` with their live intervals (the memory model above).
 
     Args:
@@ -227,11 +251,15 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
             computation never looks at sizes, so they may be symbolic (polynomials).
         scratch_of: ``scratch_of(node) -> bytes`` an op allocates and frees inside
             itself (in the units of ``size_of``); None: no scratch.
+        hold_outputs: keep the forward outputs and the gradients live until the step
+            ends (a step of one graph). False: each lives until its own last use in
+            the graph, for a caller that decides how long the rest of the step holds
+            it (``step_flow``, composing several graphs into one step).
 
     Returns:
         The Intervals. The steps and intervals depend only on the graphs, not on sizes.
     """
-    builder = _IntervalBuilder(step, size_of)
+    builder = _IntervalBuilder(step, size_of, hold_outputs)
     saved_sids = builder.forward()
     builder.backward(saved_sids)
     steps = builder.fw_steps + builder.bw_steps
@@ -241,15 +269,18 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
             if scratch:
                 builder.storages.append(
                     Storage(scratch, i, i, n.name, step.layer_of.get(n.name), "scratch", False))
-    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids)
+    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids,
+                     builder.output_sids, builder.gradient_sids)
 
 
 class _IntervalBuilder:
     """One pass over the forward then the backward graph, creating storages and
     extending their intervals to each alias's last use (see ``live_intervals``)."""
 
-    def __init__(self, step: RewrittenStep, size_of: Callable[[torch.Tensor], Any]):
-        self.step, self.size_of = step, size_of
+    def __init__(self, step: RewrittenStep, size_of: Callable[[torch.Tensor], Any], hold_outputs: bool = True):
+        self.step, self.size_of, self.hold_outputs = step, size_of, hold_outputs
+        self.output_sids: list[Any] = []
+        self.gradient_sids: list[Any] = []
         self.storages: list[Storage] = []
         self.fw_nodes = list(step.forward.graph.nodes)
         self.bw_nodes = list(step.backward.graph.nodes)
@@ -328,8 +359,10 @@ class _IntervalBuilder:
         k = self.step.num_fwd_outputs
         for out in outs[:k]:  # the loss lives until the step ends
             sid = self.sid_of.get(out) if isinstance(out, fx.Node) else None
+            self.output_sids.append(sid if isinstance(sid, int) else None)
             if isinstance(sid, int):
-                self.touch(sid, self.end)
+                if self.hold_outputs:
+                    self.touch(sid, self.end)
                 if not self.storages[sid].static:
                     self.storages[sid].kind = "output"
         saved_sids = [self.sid_of.get(out) for out in outs[k:]]
@@ -355,8 +388,10 @@ class _IntervalBuilder:
             self.visit(n, self.end, self.step.kind_of.get(n.name, "backward"))
         for g in self.bw_nodes[-1].args[0]:
             sid = self.sid_of.get(g) if isinstance(g, fx.Node) else None
+            self.gradient_sids.append(sid if isinstance(sid, int) else None)
             if isinstance(sid, int):
-                self.touch(sid, self.end)
+                if self.hold_outputs:
+                    self.touch(sid, self.end)
                 if not self.storages[sid].static:
                     self.storages[sid].kind = "gradient"
 

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.fx as fx
 
+from .costs import is_random
 from .errors import LayerStackNotFound
 from .trace import JointGraph
 
@@ -311,6 +312,46 @@ def assign_layers(joint: JointGraph, layers: str | None = None) -> LayerStack:
     return assign_layers_to_graph(joint.gm, joint.num_fwd_outputs, path, children)
 
 
+def _layers_of_unrecorded(gm: fx.GraphModule, forward: set[str],
+                           layer_of: Mapping[str, int | None]) -> dict[str, int]:
+    """Layers for forward ops that carry no module path at all.
+
+    Graph passes create such nodes: under ``dynamic=True`` Dynamo keeps Python floats
+    symbolic (``torch._dynamo.config.specialize_float = False``), and
+    ``torch/fx/passes/_tensorify_python_scalars.py`` turns a model's float constants
+    (GPT-2's attention scaling, gelu_new's ``sqrt(2 / pi)``) into 0-dim tensor ops with
+    no ``nn_module_stack``; the attention scores times the scale is then a full-size
+    activation outside every layer, which the partition would save. Such a node takes
+    the layer of its forward users when they agree on one (visited in reverse graph
+    order, so chains of such nodes resolve), else of its inputs when they agree; a
+    value shared by several layers, and random ops (their RNG state belongs to no
+    layer), stay outer.
+
+    Returns:
+        ``{node name: layer}`` for the nodes given a layer.
+    """
+    layer = dict(layer_of)
+    nodes = [n for n in gm.graph.nodes
+             if n.op == "call_function" and n.name in forward and layer[n.name] is None
+             and not n.meta.get("nn_module_stack") and not is_random(n)]
+    changed: dict[str, int] = {}
+
+    def agree(others: Iterable[fx.Node]) -> int | None:
+        found = {layer.get(o.name) for o in others} - {None}
+        return found.pop() if len(found) == 1 else None
+
+    for n in reversed(nodes):
+        got = agree(u for u in n.users if u.name in forward)
+        if got is not None:
+            layer[n.name] = changed[n.name] = got
+    for n in nodes:
+        if layer[n.name] is None:
+            got = agree(n.all_input_nodes)
+            if got is not None:
+                layer[n.name] = changed[n.name] = got
+    return changed
+
+
 def assign_layers_to_graph(
     gm: fx.GraphModule, num_fwd_outputs: int, path: str, children: list[str] | tuple[str, ...]
 ) -> LayerStack:
@@ -354,6 +395,10 @@ def assign_layers_to_graph(
             f"no node of the traced step lies in the layer stack {path!r}: its modules "
             "are not called by the model's forward; name the stack that is, with layers="
         )
+    for name, layer in _layers_of_unrecorded(gm, fwd_set, layer_of).items():
+        layer_of[name] = layer
+    for n in gm.graph.nodes:
+        n.meta["remat_layer"] = layer_of[n.name]
     return LayerStack(
         path=path,
         child_names=tuple(children),
