@@ -243,7 +243,7 @@ class RematBackend:
         self.files: list[Path] = []
         self._graphs: dict[str, _Graph] = {}
         self._building: _Graph | None = None  # the graph being compiled
-        self._recorder = StepRecorder(self._step_ended)
+        self._recorder = StepRecorder(self._step_ended, self._not_composable)
         self._steps: dict[tuple, StepReport] = {}  # by RecordedStep.signature()
         self._signatures: list[tuple] = []  # per step_log entry
         self._first_step: StepReport | None = None
@@ -500,7 +500,16 @@ class RematBackend:
         return analyze(concrete_step(rewrite(joint, stack, schedule))[0], allocator=allocator)
 
     def _layer_stack(self, joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> LayerStack:
+        # after a break, a graph may hold a single layer of the stack an earlier graph
+        # found (one child is not enough for the search): look for that path first
+        earlier = [r.layer_stack for r in self.reports if r.layer_stack]
         try:
+            if self.options.layers is None and earlier:
+                try:
+                    path, children = find_layer_stack_in_graph(joint, earlier[-1])
+                    return assign_layers_to_graph(joint, num_fwd_outputs, path, children)
+                except LayerStackNotFound:
+                    pass
             path, children = find_layer_stack_in_graph(joint, self.options.layers)
             return assign_layers_to_graph(joint, num_fwd_outputs, path, children)
         except LayerStackNotFound as e:
@@ -554,7 +563,7 @@ class RematBackend:
         report, note = self._steps.get(sig), ""
         if rec.problems:
             note = "; ".join(rec.problems)
-            self._not_composable(rec, note)
+            self._not_composable(note)
         elif report is None:
             plain = [g.graph_id for g in self._graphs.values() if g.plain]
             missing = [c.graph_id for c in rec.calls if c.graph_id not in self._graphs]
@@ -572,7 +581,7 @@ class RematBackend:
             self._first_step = report
             self._after_first_step(rec, report)
 
-    def _not_composable(self, rec: RecordedStep, why: str) -> None:
+    def _not_composable(self, why: str) -> None:
         error = StepNotComposable(
             f"the training step cannot be composed into one timeline: {why}. The backend models "
             "one forward of every graph, then one loss.backward() running their backwards in "
@@ -583,7 +592,11 @@ class RematBackend:
         for g in self._graphs.values():
             if g.plain is None and g.recorded is not None:
                 self._fallback_warning(g, error)
-                g.recorded.replace(self._compile_plain(g))
+                # a training graph, recompiled from inside a backward, where grad mode is
+                # off (AOTAutograd would compile an inference graph)
+                with torch.enable_grad():
+                    g.recorded.replace(self._compile_plain(g))
+        self._steps.clear()  # no step of these graphs is composed any more
 
     def _binding(self, g: _Graph, shapes: Sequence[Any]) -> dict[Any, int]:
         values = {}
@@ -677,7 +690,8 @@ class RematBackend:
             g = graphs[gid]
             if sched != g.step.schedule:
                 g.schedule = sched
-                g.recorded.replace(self._compile(g))
+                with torch.enable_grad():  # a training graph, recompiled at the end of a backward
+                    g.recorded.replace(self._compile(g))
         self._steps.clear()  # the graphs changed: compose the next steps anew
         return self._compose(rec)
 
@@ -734,7 +748,8 @@ def _hints(joint: JointGraph) -> dict[Any, int]:
         if env is None and isinstance(v, torch.SymInt):
             env = v.node.shape_env
         if env is not None:
-            return {s: int(h) for s, h in env.var_to_val.items()}
+            hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+            return {s: int(h) for s, h in hints.items()}
     return {}
 
 

@@ -134,10 +134,14 @@ class StepRecorder:
 
     Args:
         on_step_end: called with each finished RecordedStep.
+        on_problem: called with a message when a step that already ended turns out not
+            to be composable (a backward through its graphs runs again); may raise.
     """
 
-    def __init__(self, on_step_end: Callable[[RecordedStep], None]):
+    def __init__(self, on_step_end: Callable[[RecordedStep], None],
+                 on_problem: Callable[[str], None] | None = None):
         self.on_step_end = on_step_end
+        self.on_problem = on_problem
         self._open: _OpenStep | None = None
         self._count = 0
 
@@ -197,7 +201,12 @@ class StepRecorder:
 
     def _backward_starts(self, step: _OpenStep, c: int) -> None:
         if step is not self._open:
-            return  # a backward of a step already closed (e.g. retain_graph): not this step's
+            # a step already ended (composed, reported): its graph runs backward again
+            # (retain_graph and a second backward): the step was not what was composed
+            if c in step.backward and self.on_problem is not None:
+                self.on_problem(f"the backward of {step.calls[c].graph_id} (call {c}) ran twice in one step "
+                                "(a second backward through a retained graph)")
+            return
         if c in step.backward:
             step.problems.append(f"the backward of {step.calls[c].graph_id} (call {c}) ran twice in one step")
         elif step.backward and c > step.backward[-1]:
