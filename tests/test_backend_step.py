@@ -140,6 +140,7 @@ def test_break_inside_the_layer_stack_step_equals_measured(sched):
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.slow
 def test_dynamic_batch_is_reported_per_shape():
     """dynamic=True, batches 2, 4, 8 through one symbolic compile: every step's
     prediction, looked up by its input shape, equals its measured peak, and the graphs
