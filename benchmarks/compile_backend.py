@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     "budget_bytes": budget, "within_budget": None if budget is None else r["peak_bytes"] <= budget,
                     "time_ratio": r["step_s"] / e["step_s"], "grads_bitwise": equal, "max_grad_diff": diff,
                     "note": note})
+                r2 = rows[-1]
+                print(f"row: {tag} | {compiler} | {method} | batch {r['batch']} | measured {r2['measured_bytes']:,} | "
+                      f"predicted {p if p is None else format(p, ',')} | time/eager {r2['time_ratio']:.2f} | "
+                      f"grads {'bitwise' if equal else diff}", flush=True)
 
         add("-", "eager", eager, {})
         for compiler in args.compilers.split(","):
