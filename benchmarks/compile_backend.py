@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import remat_pass
+from remat_pass.errors import InfeasibleBudget
 from remat_pass.formatting import text_table
 from remat_pass.measure import profiled_peak_cpu
 from remat_pass.models import gpt2, tiny_gpt
@@ -203,7 +204,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     b = remat_pass.backend("optimized", budget_bytes=budget, compiler=compiler)
                     model = copy.deepcopy(base)
                     f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b)
-                    res = run(model, f, ids_of, batches, args.repeats)
+                    try:
+                        res = run(model, f, ids_of, batches, args.repeats)
+                    except InfeasibleBudget as e:
+                        print(f"row: {tag} | {compiler} | optimized {budget / MIB:.2f} MiB | {e}", flush=True)
+                        rows.append({"model": tag, "compiler": compiler, "method": f"optimized {budget / MIB:.2f} MiB",
+                                     "batch": batches[0], "measured_bytes": 0, "predicted_bytes": e.least_feasible_peak_bytes,
+                                     "error_pct": None, "budget_bytes": budget, "within_budget": None,
+                                     "time_ratio": 0.0, "grads_bitwise": False, "max_grad_diff": 0.0,
+                                     "note": "InfeasibleBudget (predicted = least feasible step peak)"})
+                        continue
                     add(compiler, f"optimized {budget / MIB:.2f} MiB",
                         res, {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}, _note(b), budget)
             for spec in args.references.split(","):

@@ -20,6 +20,7 @@ from .errors import InfeasibleBudget
 from .liveness import MemoryReport
 from .planner import Planner
 from .regions import LayerStack
+from . import schedule as schedules
 from .schedule import Schedule
 from .trace import JointGraph
 
@@ -56,6 +57,15 @@ class StepPlan:
     feasible: bool
 
 
+def least_feasible_candidates(g: PlannedGraph, planner: Planner) -> list[Schedule]:
+    """The schedules tried for a graph's least step peak: the planner's least feasible
+    (its chain model is calibrated on the graph alone, where the graph's outputs and
+    gradients are held to the end; in the step they are not, so its answer can store
+    a layer the step would rather recompute) and Megatron's uniform K=1 (every layer
+    its own group), whose step peak is often the least."""
+    return [planner.least_feasible()[0], schedules.uniform(1, g.stack.num_layers)]
+
+
 def plan_step(graphs: Sequence[PlannedGraph], step_peak: Callable[[dict[str, Schedule]], int],
               budget_bytes: int, predict_graph: Callable[[PlannedGraph, Schedule], MemoryReport]) -> StepPlan:
     """The least-recompute schedules of ``graphs`` whose composed step peak fits.
@@ -83,9 +93,11 @@ def plan_step(graphs: Sequence[PlannedGraph], step_peak: Callable[[dict[str, Sch
     for _ in range(MAX_ROUNDS):  # least feasible: each graph to its least step peak
         moved = False
         for g in graphs:
-            best, _ = planner(g).least_feasible()
-            if best != chosen[g.graph_id] and step_peak({**chosen, g.graph_id: best}) < step_peak(chosen):
-                chosen[g.graph_id], moved = best, True
+            current = step_peak(chosen)
+            for candidate in least_feasible_candidates(g, planner(g)):
+                peak = step_peak({**chosen, g.graph_id: candidate})
+                if candidate != chosen[g.graph_id] and peak < current:
+                    chosen[g.graph_id], current, moved = candidate, peak, True
         if not moved:
             break
     least, least_peak = dict(chosen), step_peak(chosen)
