@@ -350,3 +350,35 @@ def test_inductor_dropout_equals_inductor_without_the_pass(sched):
         assert torch.equal(state, torch.get_rng_state())
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     assert not any(s.rng_replayed for r in b.reports for s in r.step.segments)
+
+
+@pytest.mark.slow
+def test_budget_over_two_graphs_with_layers():
+    """A break inside the layer stack: both graphs' schedules are chosen together; at a
+    budget equal to uniform K=1's step peak, and halfway to none's, the measured step is
+    within the budget and equals the prediction; half of it is infeasible, and the
+    least feasible step peak carried is uniform K=1's (measured)."""
+    torch.manual_seed(0)
+    model = Breaky(layers=4, split_at=2)
+    ids = _ids(4)
+    measured = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        for sched in [("none", None), ("uniform", 1)]:
+            torch._dynamo.reset()
+            m = copy.deepcopy(model)
+            f = torch.compile(m, backend=remat_pass.backend(*sched))
+            measured[sched[0]] = _measured(m, lambda: f(ids).backward())
+        for budget in (measured["uniform"], (measured["uniform"] + measured["none"]) // 2):
+            torch._dynamo.reset()
+            b = remat_pass.backend("optimized", budget_bytes=budget)
+            m = copy.deepcopy(model)
+            f = torch.compile(m, backend=b)
+            peak = _measured(m, lambda: f(ids).backward())
+            assert peak <= budget and b.step_report().peak_bytes == peak
+            assert len([c for c in b.step_report().calls if c.layers]) == 2
+        torch._dynamo.reset()
+        with pytest.raises(InfeasibleBudget) as info:
+            tight = remat_pass.backend("optimized", budget_bytes=measured["uniform"] // 2)
+            torch.compile(copy.deepcopy(model), backend=tight)(ids).backward()
+    assert info.value.least_feasible_peak_bytes == measured["uniform"]
