@@ -781,7 +781,8 @@ def backend(
         layers: the layer stack's module path (``"transformer.h"``) when it is not
             found automatically.
         report_dir: write each graph's report there (``graph_<frame>_<n>.json``,
-            ``.md`` and ``.remat.json`` for ``remat-pass inspect --graph``); None:
+            ``.md`` and ``.remat.json`` for ``remat-pass inspect --graph``) and the
+            first step's report (``step.json``, ``step.md``: ``step_report()``); None:
             ``$REMAT_PASS_REPORT_DIR`` if set.
         on_error: ``"raise"`` (default) or ``"fallback"``: run a graph the pass cannot
             handle (or every graph of a step that cannot be composed) un-rewritten,
