@@ -1,32 +1,31 @@
-"""Measured peak memory and step time of one training step under torch.compile.
+"""Measured against predicted peak of whole training steps under torch.compile.
 
-Rows, all on the same model, batch and initial weights (TinyGPT from
-``remat_pass.models``, dropout 0, fp32, loss inside the compiled function):
+For each model (``gpt2``: ``remat_pass.models:gpt2``, transformers' GPT-2, which
+Dynamo splits at ``self.loss_function`` into a layer graph and a loss graph; ``tiny``:
+``remat_pass.models:tiny_gpt``, loss inside the compiled function), compiler
+(``eager``: fx code; ``inductor``), shapes (static, or ``--dynamic``: one compile with
+``dynamic=True`` run at every ``--batches``) and precision (fp32, or ``--bf16``:
+``torch.autocast("cpu", torch.bfloat16)`` inside the compiled step), the rows are:
 
-- ``eager``: no torch.compile (the gradient reference).
-- ``remat``: ``torch.compile(step, backend=remat_pass.backend(...))`` for ``none``,
-  ``uniform(K)``, ``block(N)`` and ``optimized`` (budget halfway between the
-  predicted peaks of ``uniform(K=1)`` and ``none``); the predicted peak of the compiled graph
-  (``backend.reports[0].memory.peak_bytes``) is shown next to the measured one. The
-  report counts the tangent of the loss (``ones_like(loss)``, an input of the backward
-  graph) as static memory, while ``loss.backward()`` allocates it inside the step: the
-  measured peak is one loss element (4 bytes in fp32) above the prediction when the
-  peak comes after backward starts.
-- ``aot_eager + checkpoint``: ``torch.compile(backend="aot_eager")`` with
-  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around groups of K layers.
-- ``aot_eager budget``: ``torch.compile(backend="aot_eager")`` (min-cut partition) with
-  ``torch._functorch.config.activation_memory_budget`` set while compiling.
+- ``eager``: no torch.compile (the gradient and step-time reference);
+- ``remat``: ``remat_pass.backend`` with ``none``, ``uniform`` K=1, 2, and (static
+  shapes) ``optimized`` at budgets spread between the predicted step peaks of uniform
+  K=1 and none; the predicted step peak is ``backend.step_report(shape).peak_bytes``
+  (the composed step: every graph, what crosses between them), after the re-plan of
+  the first step;
+- references: ``aot_eager`` with ``activation_memory_budget`` (eager compiler) and
+  Inductor with ``torch.utils.checkpoint`` around every layer (inductor compiler;
+  GPT-2: ``gradient_checkpointing_enable(use_reentrant=False)``, K=1 only).
 
-Measurement (DESIGN.md): CPU peak from the profiler's allocator events
-(``remat_pass.measure.profiled_peak_cpu``): the peak of the running sum of allocated
-bytes above the start of one step (``.grad`` set to None before the window, so the
-gradients are allocated inside it and nothing allocated before it is freed inside it),
-after the compile step and the timed steps. Step time: the median wall time of
-``--repeats`` steps after the compile step. Gradients: every row's parameter
-gradients against eager's, bit for bit, and the largest absolute difference.
+Measured: CPU peak from the profiler's allocator events
+(``remat_pass.measure.profiled_peak_cpu``), the peak of the running sum above the
+start of one step, ``.grad`` None before it (the step allocates its gradients), after
+two warm-up steps at that shape; the seed is set before every step (dropout). Step
+time: median of ``--repeats`` steps over eager's. Gradients: against eager's, bitwise
+or the largest absolute difference.
 
-Usage: ``python benchmarks/compile_backend.py [--layers 8 --hidden 256 --seq 128
---batch 8 --recompute-num-layers 2 --budgets 0.5,0.2,0.0 --repeats 5 --json out.json]``
+Usage: ``python benchmarks/compile_backend.py [--models gpt2,tiny --compilers eager
+--batches 4 --dynamic --bf16 --repeats 3 --json out.json]``
 """
 
 from __future__ import annotations
@@ -45,197 +44,230 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import remat_pass
+from remat_pass.errors import InfeasibleBudget
+from remat_pass.formatting import text_table
 from remat_pass.measure import profiled_peak_cpu
-from remat_pass.models import TinyGPT
-from remat_pass.schedule import describe_groups
-
-
-def schedules_describe(schedule: Any) -> str:
-    """``recompute [0-3], store 4 5`` for a Schedule."""
-    return describe_groups(schedule.groups, schedule.num_layers)
+from remat_pass.models import gpt2, tiny_gpt
 
 MIB = 2**20
 
 
-class CheckpointGroup(nn.Module):
-    """K consecutive layers run under ``torch.utils.checkpoint`` (non-reentrant)."""
+def make_model(name: str, batch: int, dropout: float | None) -> tuple[nn.Module, Callable[[int], Any]]:
+    """``(model, inputs(batch))``: the model and a function giving its step inputs."""
+    if name == "gpt2":
+        model, inputs, _ = gpt2(batch=batch, **({} if dropout is None else {"dropout": dropout}))
+        seq, vocab = inputs["input_ids"].shape[1], model.config.vocab_size
+    else:
+        model, (ids,), _ = tiny_gpt(batch=batch, **({} if dropout is None else {"dropout": dropout}))
+        seq, vocab = ids.shape[1], model.tok.num_embeddings
 
-    def __init__(self, layers: list[nn.Module]):
+    def inputs_of(b: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (b, seq), generator=torch.Generator().manual_seed(b))
+
+    return model, inputs_of
+
+
+def loss_fn(name: str, bf16: bool) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    def loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if name == "gpt2":
+                return model(input_ids=ids, labels=ids).loss
+            logits = model(ids)
+            return F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+
+    return loss
+
+
+class CheckpointLayer(nn.Module):
+    """One layer under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, layer: nn.Module):
         super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        self.layer = layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self._run, x, use_reentrant=False)
+        return checkpoint(self.layer, x, use_reentrant=False)
 
 
-def with_checkpoint_groups(model: TinyGPT, k: int) -> TinyGPT:
-    """A copy of ``model`` whose ``blocks`` are groups of ``k`` checkpointed layers
-    (same parameters, same order)."""
+def with_checkpoint(name: str, model: nn.Module) -> nn.Module:
     m = copy.deepcopy(model)
-    blocks = list(m.blocks)
-    m.blocks = nn.ModuleList(CheckpointGroup(blocks[i : i + k]) for i in range(0, len(blocks), k))
+    if name == "gpt2":
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        m.blocks = nn.ModuleList(CheckpointLayer(b) for b in m.blocks)
     return m
 
 
-def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy; the targets come from ``ids`` inside the step."""
-    logits = model(ids)
-    return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
-
-
-def run_row(
-    model: nn.Module,
-    ids: torch.Tensor,
-    make_step: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
-    repeats: int,
-    during_compile: Any = None,
-) -> dict[str, Any]:
-    """Warm up, measure the peak of one step, time ``repeats`` steps, return grads."""
-    torch._dynamo.reset()
-    step = make_step(model)
+def run(model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor], ids_of: Callable[[int], torch.Tensor],
+        batches: list[int], repeats: int, during: Any = None) -> list[dict[str, Any]]:
+    """Per batch: warm up (the first call compiles), time, measure one step's peak."""
     params = list(model.parameters())
+    out = []
+    for batch in batches:
+        ids = ids_of(batch)
 
-    def clear() -> None:
+        def once() -> None:
+            for p in params:
+                p.grad = None
+            torch.manual_seed(1)
+            step(ids).backward()
+
+        with during if during is not None else torch.enable_grad():
+            once()
+        once()
+        times = []
+        for _ in range(max(repeats, 1)):
+            t = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t)
         for p in params:
             p.grad = None
 
-    def once() -> None:
-        step(ids).backward()
+        def measured() -> None:
+            torch.manual_seed(1)
+            step(ids).backward()
 
-    ctx = during_compile if during_compile is not None else _nullcontext()
-    with ctx:
-        clear()
-        once()  # compiles
-    times = []
-    for _ in range(max(repeats, 1)):
-        clear()
-        t = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t)
-    clear()  # the previous gradients are freed outside the profiled window
-    peak, _ = profiled_peak_cpu(once)
-    grads = [p.grad.detach().clone() for p in params]
-    return {"peak_bytes": peak, "step_s": statistics.median(times), "grads": grads}
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+        peak, _ = profiled_peak_cpu(measured)
+        out.append({"batch": batch, "peak_bytes": peak, "step_s": statistics.median(times),
+                    "grads": [p.grad.detach().clone() for p in params]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--recompute-num-layers", type=int, default=2, metavar="K",
-                    help="K of uniform and of the checkpoint groups")
-    ap.add_argument("--budgets", default="0.5,0.2,0.0",
-                    help="activation_memory_budget values (1.0 is aot_eager's default row)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default=None, help="write the rows as JSON here")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: step times stable on a shared machine)")
+    ap.add_argument("--models", default="gpt2,tiny")
+    ap.add_argument("--compilers", default="eager")
+    ap.add_argument("--batches", default="4", help="batch sizes (several: with --dynamic)")
+    ap.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True), one compile")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast inside the compiled step")
+    ap.add_argument("--dropout", type=float, default=None, help="the models' dropout (default: theirs)")
+    ap.add_argument("--schedules", default="none,uniform:1,uniform:2,optimized")
+    ap.add_argument("--budget-fractions", default="0.05,0.35,0.65,0.95",
+                    help="optimized budgets: uniform(K=1) + f * (none - uniform(K=1)) predicted step peaks")
+    ap.add_argument("--references", default="budget:0.5,checkpoint",
+                    help="aot_eager activation_memory_budget values (eager) and Inductor+checkpoint")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    L, K = args.layers, args.recompute_num_layers
     torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    base = TinyGPT(args.vocab, args.hidden, args.heads, L, args.seq, dropout=0.0).train()
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-
+    batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        base, ids_of = make_model(name, batches[0], args.dropout)
+        loss = loss_fn(name, args.bf16)
+        torch._dynamo.reset()
+        ref_model = copy.deepcopy(base)
+        eager = run(ref_model, lambda ids: loss(ref_model, ids), ids_of, batches, args.repeats)
+        ref = {r["batch"]: r for r in eager}
+        tag = f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
 
-    def add(method: str, setting: str, result: dict[str, Any], predicted: int | None = None,
-            note: str = "") -> None:
-        ref = rows[0]["grads"] if rows else result["grads"]
-        equal = all(torch.equal(a, b) for a, b in zip(result["grads"], ref))
-        diff = max(float((a - b).abs().max()) for a, b in zip(result["grads"], ref))
-        rows.append({"method": method, "setting": setting, "peak_bytes": result["peak_bytes"],
-                     "predicted_peak_bytes": predicted, "step_s": result["step_s"],
-                     "grads_bitwise_equal": equal, "max_grad_diff": diff,
-                     "note": note, "grads": result["grads"]})
+        def add(compiler: str, method: str, results: list[dict[str, Any]], predicted: dict[int, int | None],
+                note: str = "", budget: int | None = None) -> None:
+            for r in results:
+                e = ref[r["batch"]]
+                equal = all(torch.equal(a, b) for a, b in zip(r["grads"], e["grads"]))
+                diff = max(float((a - b).abs().max()) for a, b in zip(r["grads"], e["grads"]))
+                p = predicted.get(r["batch"])
+                rows.append({
+                    "model": tag, "compiler": compiler, "method": method, "batch": r["batch"],
+                    "measured_bytes": r["peak_bytes"], "predicted_bytes": p,
+                    "error_pct": None if p is None else 100.0 * (p - r["peak_bytes"]) / r["peak_bytes"],
+                    "budget_bytes": budget, "within_budget": None if budget is None else r["peak_bytes"] <= budget,
+                    "time_ratio": r["step_s"] / e["step_s"], "grads_bitwise": equal, "max_grad_diff": diff,
+                    "note": note})
+                r2 = rows[-1]
+                print(f"row: {tag} | {compiler} | {method} | batch {r['batch']} | measured {r2['measured_bytes']:,} | "
+                      f"predicted {p if p is None else format(p, ',')} | time/eager {r2['time_ratio']:.2f} | "
+                      f"grads {'bitwise' if equal else diff}", flush=True)
 
-    add("eager", "-", run_row(copy.deepcopy(base), ids, lambda m: (lambda x: loss_of(m, x)), args.repeats))
-
-    schedules = [("none", None), ("uniform", 1), ("uniform", K), ("uniform", L),
-                 ("block", L // 2), ("block", L)]
-    predicted: dict[str, int] = {}
-    for method, k in dict.fromkeys(schedules):
-        b = remat_pass.backend(method, k)
-        res = run_row(copy.deepcopy(base), ids,
-                      lambda m, b=b: torch.compile(lambda x: loss_of(m, x), backend=b), args.repeats)
-        (report,) = b.reports
-        predicted[report.schedule] = report.memory.peak_bytes
-        add("remat", report.schedule, res, report.memory.peak_bytes,
-            f"recompute {100 * report.memory.recompute_fraction:.0f}% fwd FLOPs")
-    # optimized: a budget halfway between uniform(K=1)'s predicted peak and none's
-    budget = (predicted["none"] + predicted["uniform(K=1)"]) // 2
-    b = remat_pass.backend("optimized", budget_bytes=budget)
-    res = run_row(copy.deepcopy(base), ids,
-                  lambda m: torch.compile(lambda x: loss_of(m, x), backend=b), args.repeats)
-    (report,) = b.reports
-    add("remat", f"optimized, budget {budget / MIB:.2f} MiB", res, report.memory.peak_bytes,
-        f"recompute {100 * report.memory.recompute_fraction:.0f}% fwd FLOPs; "
-        + schedules_describe(report.step.schedule))
-    over_budget = res["peak_bytes"] - budget if res["peak_bytes"] > budget else 0
-
-    for k in sorted({1, K}):
-        model = with_checkpoint_groups(base, k)
-        res = run_row(model, ids, lambda m: torch.compile(lambda x: loss_of(m, x), backend="aot_eager"),
-                      args.repeats)
-        add("aot_eager + checkpoint", f"groups of K={k}", res)
-
-    budgets = [1.0] + [float(b) for b in args.budgets.split(",") if b]
-    for budget in budgets:
-        res = run_row(copy.deepcopy(base), ids,
-                      lambda m: torch.compile(lambda x: loss_of(m, x), backend="aot_eager"),
-                      args.repeats,
-                      during_compile=torch._functorch.config.patch(activation_memory_budget=budget))
-        add("aot_eager budget", f"activation_memory_budget={budget}", res,
-            note="min-cut default" if budget == 1.0 else "")
-
-    header = ["method", "setting", "measured peak MiB", "predicted MiB", "measured - predicted B",
-              "step ms", "grads == eager", "max |grad diff|", "note"]
-    table = [
-        [r["method"], r["setting"], f"{r['peak_bytes'] / MIB:.2f}",
-         "" if r["predicted_peak_bytes"] is None else f"{r['predicted_peak_bytes'] / MIB:.2f}",
-         "" if r["predicted_peak_bytes"] is None else f"{r['peak_bytes'] - r['predicted_peak_bytes']:+,}",
-         f"{1000 * r['step_s']:.1f}", "bitwise" if r["grads_bitwise_equal"] else "NO",
-         f"{r['max_grad_diff']:.1e}", r["note"]]
-        for r in rows
-    ]
-    print(f"TinyGPT L={L} hidden={args.hidden} heads={args.heads} seq={args.seq} "
-          f"batch={args.batch} vocab={args.vocab}, fp32 CPU ({args.threads} thread), "
-          f"torch {torch.__version__}; "
-          "peak = activation bytes above the step's start (profiler), after warm-up")
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *table)]
-    for cells in [header, ["-" * w for w in widths], *table]:
-        print("  ".join(str(c).ljust(w) if i < 2 or i == len(header) - 1 else str(c).rjust(w)
-                        for i, (c, w) in enumerate(zip(cells, widths))))
-    for r in rows:
-        r.pop("grads")
+        add("-", "eager", eager, {})
+        for compiler in args.compilers.split(","):
+            step_peaks: dict[str, int] = {}
+            for spec in args.schedules.split(","):
+                if spec == "optimized":
+                    continue
+                method, _, k = spec.partition(":")
+                torch._dynamo.reset()
+                b = remat_pass.backend(method, int(k) if k else None, compiler=compiler)
+                model = copy.deepcopy(base)
+                f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b, dynamic=args.dynamic)
+                res = run(model, f, ids_of, batches, args.repeats)
+                pred = {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}
+                step_peaks[spec] = pred[batches[0]]
+                add(compiler, spec, res, pred, _note(b))
+            if "optimized" in args.schedules.split(",") and not args.dynamic and {"none", "uniform:1"} <= set(step_peaks):
+                lo, hi = step_peaks["uniform:1"], step_peaks["none"]
+                for frac in (float(x) for x in args.budget_fractions.split(",")):
+                    budget = int(lo + frac * (hi - lo))
+                    torch._dynamo.reset()
+                    b = remat_pass.backend("optimized", budget_bytes=budget, compiler=compiler)
+                    model = copy.deepcopy(base)
+                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b)
+                    try:
+                        res = run(model, f, ids_of, batches, args.repeats)
+                    except InfeasibleBudget as e:
+                        print(f"row: {tag} | {compiler} | optimized {budget / MIB:.2f} MiB | {e}", flush=True)
+                        rows.append({"model": tag, "compiler": compiler, "method": f"optimized {budget / MIB:.2f} MiB",
+                                     "batch": batches[0], "measured_bytes": 0, "predicted_bytes": e.least_feasible_peak_bytes,
+                                     "error_pct": None, "budget_bytes": budget, "within_budget": None,
+                                     "time_ratio": 0.0, "grads_bitwise": False, "max_grad_diff": 0.0,
+                                     "note": "InfeasibleBudget (predicted = least feasible step peak)"})
+                        continue
+                    add(compiler, f"optimized {budget / MIB:.2f} MiB",
+                        res, {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}, _note(b), budget)
+            for spec in args.references.split(","):
+                if spec.startswith("budget:") and compiler == "eager":
+                    frac = float(spec.split(":")[1])
+                    torch._dynamo.reset()
+                    model = copy.deepcopy(base)
+                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend="aot_eager", dynamic=args.dynamic)
+                    res = run(model, f, ids_of, batches, args.repeats,
+                              torch._functorch.config.patch(activation_memory_budget=frac))
+                    add("aot_eager", f"activation_memory_budget={frac}", res, {})
+                elif spec == "checkpoint" and compiler == "inductor":
+                    torch._dynamo.reset()
+                    model = with_checkpoint(name, base)
+                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend="inductor", dynamic=args.dynamic)
+                    add("inductor", "checkpoint every layer (K=1)", run(model, f, ids_of, batches, args.repeats), {})
+    _print(rows)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"config": vars(args), "rows": rows}, f, indent=2)
-    if over_budget:  # a budget that does not hold is an error, never a silent exit 0
-        raise SystemExit(f"ERROR: the optimized row measured {res['peak_bytes']} B, over its budget "
-                         f"{budget} B by {over_budget} B (predicted {report.memory.peak_bytes} B)")
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"config": vars(args), "torch": torch.__version__, "rows": rows}, fh, indent=2)
     return rows
+
+
+def _step_peak(b: Any, batch: int, ids_of: Callable[[int], torch.Tensor]) -> int | None:
+    report = b.step_report(tuple(ids_of(batch).shape))
+    return None if report is None else report.peak_bytes
+
+
+def _note(b: Any) -> str:
+    report = b.step_report()
+    if report is None:
+        return "no step report"
+    scheds = "; ".join(f"{c.label}: {c.schedule}" for c in report.calls if c.layers)
+    return f"{len(report.calls)} graphs, {report.model}; {scheds}" + ("" if report.exact else " (notes)")
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    header = ["model", "compiler", "method", "batch", "measured MiB", "predicted MiB", "error %",
+              "<= budget", "time / eager", "grads", "note"]
+    table = [[r["model"], r["compiler"], r["method"], str(r["batch"]), f"{r['measured_bytes'] / MIB:.2f}",
+              "" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MIB:.2f}",
+              "" if r["error_pct"] is None else f"{r['error_pct']:+.2f}",
+              "" if r["within_budget"] is None else ("yes" if r["within_budget"] else "NO"),
+              f"{r['time_ratio']:.2f}", "bitwise" if r["grads_bitwise"] else f"{r['max_grad_diff']:.1e}",
+              r["note"]] for r in rows]
+    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s)")
+    print(text_table(header, table, "lllrrrrrrrl"))
 
 
 if __name__ == "__main__":
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        main()
+        over = [r for r in main() if r["within_budget"] is False]
+    if over:  # a budget that does not hold is an error, never a silent exit 0
+        raise SystemExit("ERROR: measured over budget: " + "; ".join(
+            f"{r['model']} {r['compiler']} {r['method']} batch {r['batch']}: {r['measured_bytes']} B > "
+            f"{r['budget_bytes']} B" for r in over))

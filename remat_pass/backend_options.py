@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Any
 
 from . import schedule as schedules
 from .errors import InvalidOption, InvalidSchedule
+from .formatting import parse_bytes
 from .policies import KINDS, POLICIES
 
 SCHEDULES = ("none", "uniform", "block", "optimized")
 GRANULARITIES = ("layer", "op")
 COMPILERS = ("eager", "inductor")
+ON_ERROR = ("raise", "fallback")
 OPTION_KEYS = ("schedule", "recompute_num_layers", "budget_bytes", "compiler", "layers", "report_dir", "calibrate",
-               "granularity", "recompute_modules", "policy", "policy_names", "module_names", "flops_per_byte")
+               "granularity", "recompute_modules", "policy", "policy_names", "module_names", "flops_per_byte", "on_error")
+COMPILE_MODES = (None, "default")
 DEPRECATED_KEYS = {"num_layers": "recompute_num_layers"}
 REPORT_DIR_ENV = "REMAT_PASS_REPORT_DIR"
 
@@ -43,8 +47,9 @@ class BackendOptions:
         recompute_num_layers: K for uniform (1..L), N for block (0..L), Megatron-LM's
             ``--recompute-num-layers``; ignored for none. L, the number of layers of the
             stack, is checked when a graph is compiled.
-        budget_bytes: for ``optimized``: the peak activation bytes allowed per compiled
-            graph (static memory excluded, as ``MemoryReport.peak_bytes``).
+        budget_bytes: for ``optimized``: the peak activation bytes allowed for the
+            training step (static memory excluded, as ``MemoryReport.peak_bytes``); an
+            int, or a string with a unit (``"80MiB"``, ``"1.5GB"``), stored as an int.
         compiler: ``"eager"`` (run the fx graphs) or ``"inductor"``.
         layers: module path of the layer stack relative to the compiled module
             (``"transformer.h"``); None to find it.
@@ -62,19 +67,22 @@ class BackendOptions:
         policy: a JAX save policy (``policies.POLICIES``); ``policy_names`` its names.
         module_names: ``{kind: module paths inside a layer}`` for kinds not recognised.
         flops_per_byte: the op-level cost model's machine balance (``CostModel``).
+        on_error: ``"raise"`` or ``"fallback"`` (run what the pass cannot handle
+            un-rewritten, with a warning).
 
     Raises:
         InvalidSchedule: unknown schedule, K / N not an integer in range, a budget
-            without ``optimized``, ``optimized`` without a positive integer budget, an
+            without ``optimized``, ``optimized`` without a positive budget, a budget
+            string without a unit, an
             unknown granularity, module kind or policy, op-level options with
             ``granularity="layer"``, or not exactly one op-level choice with ``"op"``.
-        InvalidBackendOption: unknown compiler, or ``layers`` / ``report_dir`` of the
-            wrong type.
+        InvalidBackendOption: unknown compiler or ``on_error``, or ``layers`` /
+            ``report_dir`` of the wrong type.
     """
 
     schedule: str = "uniform"
     recompute_num_layers: int | None = 4
-    budget_bytes: int | None = None
+    budget_bytes: int | str | None = None
     compiler: str = "eager"
     layers: str | None = None
     report_dir: str | None = None
@@ -85,6 +93,7 @@ class BackendOptions:
     policy_names: tuple[str, ...] = ()
     module_names: tuple[tuple[str, tuple[str, ...]], ...] = ()
     flops_per_byte: int = 8
+    on_error: str = "raise"
 
     def __post_init__(self) -> None:
         # lists and dicts from torch.compile(options=...) become tuples (hashable)
@@ -133,12 +142,14 @@ class BackendOptions:
                 f"budget_bytes={self.budget_bytes!r} applies only to schedule='optimized'; "
                 f"schedule={self.schedule!r} takes recompute_num_layers"
             )
+        if isinstance(self.budget_bytes, str):
+            object.__setattr__(self, "budget_bytes", _budget_from_text(self.budget_bytes))
         if self.schedule == "optimized":
             b = self.budget_bytes
             if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
                 raise InvalidSchedule(
                     "schedule='optimized' needs budget_bytes, the peak activation bytes "
-                    f"allowed per compiled graph, an integer > 0; got {b!r}"
+                    f"allowed for the step, an integer > 0 or a size such as '80MiB'; got {b!r}"
                 )
         if self.compiler not in COMPILERS:
             raise InvalidBackendOption(f"compiler={self.compiler!r} is not one of {', '.join(COMPILERS)}")
@@ -150,6 +161,8 @@ class BackendOptions:
             raise InvalidBackendOption(f"report_dir must be a folder path, got {self.report_dir!r}")
         if not isinstance(self.calibrate, bool):
             raise InvalidBackendOption(f"calibrate must be True or False, got {self.calibrate!r}")
+        if self.on_error not in ON_ERROR:
+            raise InvalidBackendOption(f"on_error={self.on_error!r} is not one of {', '.join(ON_ERROR)}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "BackendOptions":
@@ -196,3 +209,44 @@ def default_op_schedule(budget_bytes: int | None) -> str:
     """The schedule of ``granularity="op"`` when none is named: ``optimized`` (the
     op-level optimum) with a budget, else ``none`` (the policy in every layer)."""
     return "optimized" if budget_bytes is not None else "none"
+
+
+def _budget_from_text(text: str) -> int:
+    """A budget written as a size with a unit (``"80MiB"``) as bytes.
+
+    Raises:
+        InvalidSchedule: no unit (``"80"``: bytes or MiB?), or not a size.
+    """
+    if not re.search(r"[A-Za-z]\s*$", text):
+        raise InvalidSchedule(
+            f"budget_bytes={text!r} has no unit: give an int of bytes or a size with a unit "
+            "such as '80MiB', '1.5GB' (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise InvalidSchedule(f"budget_bytes={text!r}: {e}") from e
+
+
+def check_compile_kwargs(kwargs: dict[str, Any], given_to: str) -> None:
+    """Refuse what ``torch.compile`` passes a backend that it does not support:
+    ``mode`` other than ``"default"`` (the modes tune Inductor: CUDA graphs, autotuning)
+    and ``options`` given to a backend object (they belong in ``given_to``).
+
+    Raises:
+        InvalidBackendOption: naming what was given and what is allowed.
+    """
+    kwargs = dict(kwargs)
+    mode = kwargs.pop("mode", None)
+    options = kwargs.pop("options", None)
+    if mode not in COMPILE_MODES:
+        raise InvalidBackendOption(
+            f"torch.compile(mode={mode!r}) is not supported by the remat backend (its modes tune "
+            "Inductor: 'reduce-overhead' uses CUDA graphs, 'max-autotune' searches kernels); use "
+            f"mode='default' or no mode, and choose the compiler with compiler='eager' | 'inductor' "
+            f"in {given_to}")
+    if options:
+        raise InvalidBackendOption(
+            f"torch.compile(options={options!r}) with a remat backend object: give the options to "
+            f"{given_to} (its keys: {', '.join(OPTION_KEYS)})")
+    if kwargs:
+        raise InvalidBackendOption(f"unexpected torch.compile arguments {sorted(kwargs)} for the remat backend")

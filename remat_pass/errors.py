@@ -17,6 +17,7 @@ __all__ = [
     "InvalidSchedule",
     "LayerStackNotFound",
     "RematError",
+    "StepNotComposable",
     "UnsupportedGraph",
 ]
 
@@ -37,3 +38,9 @@ class GradientMismatch(RematError):
 class InvalidOption(RematError, ValueError):
     """An option (of the torch.compile backend, a command, a file read back) is not one
     that is accepted; the message names the allowed values."""
+
+
+class StepNotComposable(UnsupportedGraph):
+    """The graphs of a compiled training step did not run as one step of forwards then
+    backwards in autograd's order (a backward run twice, out of order, or after another
+    forward), so their timelines cannot be composed into the step's."""

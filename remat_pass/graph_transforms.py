@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -270,3 +271,114 @@ def dynamo_joint(
         model=None,  # Dynamo hands over a graph, not a module
     )
     return joint_graph, mutations
+
+
+_OWN_STORAGE_OUTPUTS = ("non_alias", "unsafe_view_alias", "custom_function_view")
+_INTERMEDIATE_ALIASES = ("alias_of_intermediate", "alias_of_intermediate_save_as_output")
+
+
+def output_roles(fw_metadata: Any, num_fwd_outputs: int, num_tangents: int
+                 ) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+    """Which forward output of the partitioned graph, and which tangent of its backward,
+    each output the caller receives corresponds to.
+
+    AOTAutograd's forward returns ``(*mutated inputs, *user outputs, *intermediate
+    bases)`` and its backward takes one tangent per entry of that list that is
+    differentiable: a mutated input that requires grad, a user output that is not an
+    alias (``non_alias``, ``unsafe_view_alias``, ``custom_function_view``) and requires
+    grad for backward, every intermediate base
+    (``torch/_functorch/_aot_autograd/graph_capture_wrappers.py``,
+    ``fn_prepped_for_autograd``). An output that is a view of an intermediate is
+    regenerated at run time from its base (``output_info[k].base_idx``), so its storage
+    is the base's.
+
+    Args:
+        fw_metadata: AOTAutograd's ``ViewAndMutationMeta`` (``TracingContext.fw_metadata``
+            while the forward compiles), or None when not known.
+        num_fwd_outputs: the joint's forward outputs.
+        num_tangents: the joint's tangents.
+
+    Returns:
+        ``(output_joint, output_tangent)``: per user output, the index of the forward
+        output holding its storage and the index of its tangent (None where none). With
+        no metadata, output k is forward output k and, when every forward output has a
+        tangent, tangent k.
+    """
+    if fw_metadata is None:
+        k = num_fwd_outputs
+        return tuple(range(k)), tuple(range(k)) if num_tangents == k else tuple([None] * k)
+    mutated = [fw_metadata.input_info[i] for i in fw_metadata.mutated_inp_runtime_indices]
+    outs = list(fw_metadata.output_info)
+    num_mutated, num_user = len(mutated), len(outs)
+    user_tangent: list[int | None] = []
+    t = sum(1 for m in mutated if m.mutates_data and m.requires_grad)
+    for o in outs:
+        has = (o.output_type.name in _OWN_STORAGE_OUTPUTS and isinstance(o.raw_type, type)
+               and issubclass(o.raw_type, torch.Tensor) and bool(getattr(o, "requires_grad_for_backward", o.requires_grad)))
+        user_tangent.append(t if has else None)
+        t += has
+    base_tangent0 = t
+    joint: list[int | None] = []
+    tangent: list[int | None] = []
+    for k, o in enumerate(outs):
+        kind = o.output_type.name
+        if kind in _OWN_STORAGE_OUTPUTS:
+            joint.append(num_mutated + k)
+            tangent.append(user_tangent[k])
+        elif kind in _INTERMEDIATE_ALIASES and o.base_idx is not None:
+            joint.append(num_mutated + num_user + o.base_idx)
+            tangent.append(base_tangent0 + o.base_idx if base_tangent0 + o.base_idx < num_tangents else None)
+        elif kind == "alias_of_intermediate_base_is_user_output" and o.base_idx is not None:
+            joint.append(num_mutated + o.base_idx)
+            tangent.append(user_tangent[o.base_idx])
+        else:  # an alias of an input, or an input: no storage of its own
+            joint.append(None)
+            tangent.append(None)
+    return tuple(joint), tuple(tangent)
+
+
+def symbol_sources(primal_values: Sequence[Any]) -> tuple[tuple[int, int | None, Any], ...]:
+    """Where each shape symbol of a graph is read from at run time: ``(input index, dim,
+    symbol)`` for a tensor input whose dimension ``dim`` is a plain symbol, ``(input
+    index, None, symbol)`` for a SymInt input. Empty for a graph with static shapes."""
+    out, seen = [], set()
+    for i, v in enumerate(primal_values):
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            cands = [(None, v.node.expr)]
+        elif isinstance(v, torch.Tensor):
+            cands = [(d, s.node.expr) for d, s in enumerate(v.shape)
+                     if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]
+        else:
+            cands = []
+        for d, sym in cands:
+            if sym not in seen:
+                seen.add(sym)
+                out.append((i, d, sym))
+    return tuple(out)
+
+
+def symbolic_size(value: Any) -> Any:
+    """An int, or the sympy expression of a SymInt (its shape environment's canonical
+    form), for sizes evaluated later at the shapes of a step (``evaluate_size``)."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        env = value.node.shape_env
+        return env.replace(expr) if env is not None else expr
+    return int(value)
+
+
+def evaluate_size(size: Any, values: dict[Any, int], hints: dict[Any, int] | None = None) -> int:
+    """``size`` (an int or a sympy expression of ``symbolic_size``) at the symbol values
+    ``values``; symbols not among them take their ``hints`` (the compile-time example).
+
+    Raises:
+        ValueError: a symbol has neither a value nor a hint.
+    """
+    if isinstance(size, int):
+        return size
+    e = size.xreplace({s: sympy.Integer(v) for s, v in values.items()})
+    if e.free_symbols and hints:
+        e = e.xreplace({s: sympy.Integer(v) for s, v in hints.items() if s in e.free_symbols})
+    if e.free_symbols:
+        raise ValueError(f"size {size} depends on {sorted(map(str, e.free_symbols))}, which have no value")
+    return int(e)

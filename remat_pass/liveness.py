@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.fx as fx
@@ -207,6 +207,10 @@ class Intervals:
         sid_of: forward / backward graph node -> the storage id(s) its value lives in
             (an int, a list for a tuple, None for a non-tensor), for callers that need
             every read of a storage rather than its last.
+        output_sids: index into ``storages`` of each forward output (the loss first;
+            None: not a tensor).
+        gradient_sids: index into ``storages`` of each backward output (one per primal;
+            None: no gradient or not a tensor).
     """
 
     storages: list[Storage]
@@ -214,18 +218,37 @@ class Intervals:
     bw_steps: list[fx.Node]
     saved_sids: list[Any]
     sid_of: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    output_sids: list[Any] = dataclasses.field(default_factory=list)
+    gradient_sids: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def steps(self) -> list[fx.Node]:
         """Forward steps, then backward steps."""
         return self.fw_steps + self.bw_steps
 
+    @property
+    def num_steps(self) -> int:
+        """Forward steps plus backward steps."""
+        return len(self.fw_steps) + len(self.bw_steps)
 
-def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None, zero: Any = 0) -> list[Any]:
+
+class SweepIntervals(Protocol):
+    """What ``live_timeline`` reads: storages with ``nbytes``, ``first``, ``last`` and
+    ``static`` (``Storage`` or any object with those fields) over ``num_steps`` steps.
+    ``Intervals`` is one; ``step_composition.StepIntervals`` (several graphs composed
+    into one step) is another."""
+
+    storages: Sequence[Any]
+
+    @property
+    def num_steps(self) -> int: ...
+
+
+def live_timeline(iv: SweepIntervals, select: Callable[[Any], bool] | None = None, zero: Any = 0) -> list[Any]:
     """Activation bytes live at every step: the one sweep every view of liveness uses.
 
     Args:
-        iv: ``live_intervals`` output.
+        iv: ``live_intervals`` output (or any ``SweepIntervals``, e.g. a composed step).
         select: count only the storages it accepts (e.g. one layer's); default: all.
         zero: the additive zero of the sizes (``0``, or ``solvers.poly.Poly()`` for
             polynomial sizes); sizes need only ``+`` and ``-``.
@@ -234,7 +257,7 @@ def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None
         One value per step (forward steps then backward steps): the sum of the sizes of
         the non-static storages live there, scratch included.
     """
-    n = len(iv.fw_steps) + len(iv.bw_steps)
+    n = iv.num_steps
     delta = [zero] * (n + 1)
     for s in iv.storages:
         if s.static or not s.nbytes or (select is not None and not select(s)):
@@ -250,7 +273,8 @@ def live_timeline(iv: Intervals, select: Callable[[Storage], bool] | None = None
 
 def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
                    scratch_of: Callable[[fx.Node], Any] | None = None,
-                   held_scratch_of: Callable[[fx.Node], Any] | None = None) -> Intervals:
+                   held_scratch_of: Callable[[fx.Node], Any] | None = None,
+                   hold_outputs: bool = True) -> Intervals:
     """Storages of ``step`` with their live intervals (the memory model above).
 
     Args:
@@ -262,11 +286,15 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
         held_scratch_of: ``held_scratch_of(node) -> bytes`` a collective's backend
             holds from the collective's step to its ``wait_tensor``'s step
             (``collective_scratch_bytes``); None: none.
+        hold_outputs: keep the forward outputs and the gradients live until the step
+            ends (a step of one graph). False: each lives until its own last use in
+            the graph, for a caller that decides how long the rest of the step holds
+            it (``step_flow``, composing several graphs into one step).
 
     Returns:
         The Intervals. The steps and intervals depend only on the graphs, not on sizes.
     """
-    builder = _IntervalBuilder(step, size_of)
+    builder = _IntervalBuilder(step, size_of, hold_outputs)
     saved_sids = builder.forward()
     builder.backward(saved_sids)
     steps = builder.fw_steps + builder.bw_steps
@@ -280,16 +308,18 @@ def live_intervals(step: RewrittenStep, size_of: Callable[[torch.Tensor], Any],
             if scratch:
                 builder.storages.append(
                     Storage(scratch, i, last, n.name, step.layer_of.get(n.name), "scratch", False))
-    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids, builder.sid_of)
+    return Intervals(builder.storages, builder.fw_steps, builder.bw_steps, saved_sids, builder.sid_of,
+                     builder.output_sids, builder.gradient_sids)
 
 
-def memory_intervals(step: RewrittenStep, memory: MemoryModel) -> tuple[Intervals, list[NodeMemory | None]]:
+def memory_intervals(step: RewrittenStep, memory: MemoryModel,
+                     hold_outputs: bool = True) -> tuple[Intervals, list[NodeMemory | None]]:
     """``live_intervals`` sized and with scratch by ``memory``: what ``analyze`` counts.
 
     Every new storage is ``memory.allocator_bytes`` of its size: the real output size
     where the memory model has one for the op that made it (``NodeMemory.
     output_storage_bytes``), else the FakeTensor storage size; each step's scratch is
-    ``NodeMemory.scratch_bytes`` of its op.
+    ``NodeMemory.scratch_bytes`` of its op; ``hold_outputs`` as ``live_intervals``.
 
     Returns:
         ``(intervals, node_memory)``: ``node_memory[i]`` describes step ``i``'s op
@@ -319,15 +349,17 @@ def memory_intervals(step: RewrittenStep, memory: MemoryModel) -> tuple[Interval
     def held_scratch_of(node: fx.Node) -> Any:
         return collective_scratch_bytes(node, memory.allocator)
 
-    return live_intervals(step, size_of, scratch_of, held_scratch_of), per_step
+    return live_intervals(step, size_of, scratch_of, held_scratch_of, hold_outputs), per_step
 
 
 class _IntervalBuilder:
     """One pass over the forward then the backward graph, creating storages and
     extending their intervals to each alias's last use (see ``live_intervals``)."""
 
-    def __init__(self, step: RewrittenStep, size_of: Callable[[torch.Tensor], Any]):
-        self.step, self.size_of = step, size_of
+    def __init__(self, step: RewrittenStep, size_of: Callable[[torch.Tensor], Any], hold_outputs: bool = True):
+        self.step, self.size_of, self.hold_outputs = step, size_of, hold_outputs
+        self.output_sids: list[Any] = []
+        self.gradient_sids: list[Any] = []
         self.storages: list[Storage] = []
         self.fw_nodes = list(step.forward.graph.nodes)
         self.bw_nodes = list(step.backward.graph.nodes)
@@ -423,8 +455,10 @@ class _IntervalBuilder:
         k = self.step.num_fwd_outputs
         for out in outs[:k]:  # the loss lives until the step ends
             sid = self.sid_of.get(out) if isinstance(out, fx.Node) else None
+            self.output_sids.append(sid if isinstance(sid, int) else None)
             if isinstance(sid, int):
-                self.touch(sid, self.end)
+                if self.hold_outputs:
+                    self.touch(sid, self.end)
                 if not self.storages[sid].static:
                     self.storages[sid].kind = "output"
         saved_sids = [self.sid_of.get(out) for out in outs[k:]]
@@ -450,8 +484,10 @@ class _IntervalBuilder:
             self.visit(n, self.end, self.step.kind_of.get(n.name, "backward"))
         for g in self.bw_nodes[-1].args[0]:
             sid = self.sid_of.get(g) if isinstance(g, fx.Node) else None
+            self.gradient_sids.append(sid if isinstance(sid, int) else None)
             if isinstance(sid, int):
-                self.touch(sid, self.end)
+                if self.hold_outputs:
+                    self.touch(sid, self.end)
                 if not self.storages[sid].static:
                     self.storages[sid].kind = "gradient"
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from .costs import is_random
 from .errors import LayerStackNotFound
 from .trace import JointGraph
 
@@ -415,6 +416,46 @@ def assign_layers(joint: JointGraph, layers: str | Sequence[str] | None = None) 
     return assign_layers_to_stacks(joint.gm, joint.num_fwd_outputs, stacks)
 
 
+def _layers_of_unrecorded(gm: fx.GraphModule, forward: set[str],
+                           layer_of: Mapping[str, int | None]) -> dict[str, int]:
+    """Layers for forward ops that carry no module path at all.
+
+    Graph passes create such nodes: under ``dynamic=True`` Dynamo keeps Python floats
+    symbolic (``torch._dynamo.config.specialize_float = False``), and
+    ``torch/fx/passes/_tensorify_python_scalars.py`` turns a model's float constants
+    (GPT-2's attention scaling, gelu_new's ``sqrt(2 / pi)``) into 0-dim tensor ops with
+    no ``nn_module_stack``; the attention scores times the scale is then a full-size
+    activation outside every layer, which the partition would save. Such a node takes
+    the layer of its forward users when they agree on one (visited in reverse graph
+    order, so chains of such nodes resolve), else of its inputs when they agree; a
+    value shared by several layers, and random ops (their RNG state belongs to no
+    layer), stay outer.
+
+    Returns:
+        ``{node name: layer}`` for the nodes given a layer.
+    """
+    layer = dict(layer_of)
+    nodes = [n for n in gm.graph.nodes
+             if n.op == "call_function" and n.name in forward and layer[n.name] is None
+             and not n.meta.get("nn_module_stack") and not is_random(n)]
+    changed: dict[str, int] = {}
+
+    def agree(others: Iterable[fx.Node]) -> int | None:
+        found = {layer.get(o.name) for o in others} - {None}
+        return found.pop() if len(found) == 1 else None
+
+    for n in reversed(nodes):
+        got = agree(u for u in n.users if u.name in forward)
+        if got is not None:
+            layer[n.name] = changed[n.name] = got
+    for n in nodes:
+        if layer[n.name] is None:
+            got = agree(n.all_input_nodes)
+            if got is not None:
+                layer[n.name] = changed[n.name] = got
+    return changed
+
+
 def assign_layers_to_graph(
     gm: fx.GraphModule, num_fwd_outputs: int, path: str, children: list[str] | tuple[str, ...]
 ) -> LayerStack:
@@ -501,6 +542,10 @@ def assign_layers_to_stacks(
         layer = None if where is None else offset[where[0]] + where[1]
         layer_of[n.name] = layer
         n.meta["remat_layer"] = layer
+    for name, layer in _layers_of_unrecorded(gm, fwd_set, layer_of).items():
+        layer_of[name] = layer
+    for n in gm.graph.nodes:
+        n.meta["remat_layer"] = layer_of[n.name]
     return LayerStack(
         path=", ".join(s.path for s in spans),
         child_names=tuple(c for s in spans for c in s.child_names),

@@ -363,8 +363,9 @@ def test_report_dir_option_and_env(tmp_path, monkeypatch):
     (r,) = b.reports
     stem = "graph_" + r.graph_id.replace("/", "_")
     folder = tmp_path / "opt"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(stem + s for s in suffixes)
-    assert sorted(map(str, b.files)) == sorted(str(folder / (stem + s)) for s in suffixes)
+    names = [stem + s for s in suffixes] + ["step.json", "step.md"]  # the step report, after the first step
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+    assert sorted(map(str, b.files)) == sorted(str(folder / n) for n in names)
     data = json.loads((folder / f"{stem}.json").read_text())
     assert data["graph_id"] == r.graph_id and data["schedule"] == "block(N=3)"
     assert data["memory"]["peak_bytes"] == r.memory.peak_bytes
