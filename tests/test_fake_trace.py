@@ -72,7 +72,7 @@ def real_and_meta(name: str, layers: int, dtype: torch.dtype = torch.float32):
     return real, {"input_ids": ids, "labels": ids}, meta, {"input_ids": meta_ids, "labels": meta_ids}
 
 
-def distinct(L: int) -> list[schedules.Schedule]:
+def distinct(L: int | tuple[int, ...]) -> list[schedules.Schedule]:
     out, seen = [], set()
     for s in schedules.megatron_schedules(L):
         if s.groups not in seen:
@@ -91,7 +91,7 @@ def check_fake_equals_real(name: str, layers: int, dtype: torch.dtype = torch.fl
     assert node_signature(fake.gm) == node_signature(session.joint.gm)
     stack = assign_layers(fake)
     assert stack.path == session.stack.path
-    for sched in distinct(stack.num_layers):
+    for sched in distinct(stack.layers_per_stack):
         for allocator in ("cpu", "cuda"):
             predicted = analyze(rewrite(fake, stack, sched), allocator).peak_bytes
             assert predicted == session.report(sched, allocator).peak_bytes, (name, sched.provenance, allocator)

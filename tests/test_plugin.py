@@ -11,9 +11,27 @@ pytest_plugins = ["pytester"]
 
 PROJECT_TEST = '''
 import pytest
-from remat_pass.models import linear_chain
+import torch
+from remat_pass.models import linear_chain as plain_chain
 
 BATCH = {batch}
+GROW = {grow}
+
+
+class GeluLinear(torch.nn.Linear):
+    def forward(self, x):
+        return torch.nn.functional.gelu(super().forward(x))
+
+
+def linear_chain(batch, width, layers):
+    """The shipped chain; with GROW a GELU after every Linear: the same parameters and
+    inputs (the same model for the baseline), more activation memory."""
+    model, inputs, loss_fn = plain_chain(batch=batch, width=width, layers=layers)
+    if GROW:
+        grown = torch.nn.Sequential(*[GeluLinear(width, width) for _ in range(layers)])
+        grown.load_state_dict(model.state_dict())
+        model = grown
+    return model, inputs, loss_fn
 
 
 def test_budget_passes(remat_peak):
@@ -57,8 +75,8 @@ def _import_what_the_project_imports():
     run_gate([report_json(analyze(step), step)], budget_bytes=1)
 
 
-def write_project(pytester, batch):
-    pytester.makepyfile(test_project=PROJECT_TEST.format(batch=batch))
+def write_project(pytester, batch, grow=False):
+    pytester.makepyfile(test_project=PROJECT_TEST.format(batch=batch, grow=grow))
 
 
 def test_entry_point_is_registered():
@@ -68,7 +86,7 @@ def test_entry_point_is_registered():
 
 @pytest.mark.slow
 def test_plugin_from_a_project(pytester):
-    write_project(pytester, batch=32)
+    write_project(pytester, batch=256)
     # no baseline yet: the baseline test fails and says how to write one
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=2)
@@ -83,8 +101,14 @@ def test_plugin_from_a_project(pytester):
     # same model: passes against it
     result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
     result.assert_outcomes(passed=1)
-    # a larger batch: the peak grows, the test fails and names the tensors that grew
-    write_project(pytester, batch=48)
+    # a larger batch is another model: refused, saying what differs
+    write_project(pytester, batch=384)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*baseline is of another model*"])
+    # the same model with more activations: the peak grows, the test fails and names
+    # the tensors that grew
+    write_project(pytester, batch=256, grow=True)
     result = pytester.runpytest("-p", "no:cacheprovider", "-k", "baseline")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*uniform(K=2): predicted peak*REGRESSION*", "*new or larger*"])
