@@ -85,10 +85,9 @@ from .backend_options import (
     check_compile_kwargs,
     default_op_schedule,
 )
-from .calibration import Calibrator
 from .compiled_graphs import GraphReport, describe_graph_breaks, graph_markdown
 from .costs import storage_nbytes
-from .errors import InfeasibleBudget, LayerStackNotFound, RematError, StepNotComposable, UnsupportedGraph
+from .errors import LayerStackNotFound, RematError, StepNotComposable
 from .formatting import fmt_bytes
 from .graph_transforms import (
     aot_graphs,
@@ -96,7 +95,6 @@ from .graph_transforms import (
     concrete_step,
     dynamo_joint,
     evaluate_size,
-    is_symbolic_tensor,
     output_roles,
     size_hint,
     symbol_sources,
@@ -104,13 +102,9 @@ from .graph_transforms import (
 )
 from .inductor_hooks import capture_inner_compile
 from .inductor_memory import code_liveness
+from .graph_schedule import GraphScheduler
 from .inspection import dump_step
-from .liveness import MemoryReport, analyze, storage_bytes
-from .memory_model import MemoryModel
-from .op_planner import CostModel, OpPlanner
-from .partition import Partition
-from .planner import Planner
-from .policies import recompute_modules, save_policy
+from .liveness import analyze, storage_bytes
 from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
 from .report import write_report
 from .rewrite import RewrittenStep, rewrite
@@ -260,7 +254,7 @@ class RematBackend:
         self._first_step: StepReport | None = None
         self._count = 0
         self._seen_break = False
-        self._calibrator: Calibrator | None = None
+        self._scheduler = GraphScheduler(options)
         self.__name__ = "remat"
 
     def __repr__(self) -> str:
@@ -422,9 +416,10 @@ class RematBackend:
         if g.schedule is not None:
             sched = g.schedule
         elif self.options.op_level and stack.num_layers:
-            sched = self._op_level(joint_graph, stack, g.allocator, info)
+            sched = self._scheduler.op_level(joint_graph, stack, g.allocator, info.graph_id)
         elif self.options.schedule == "optimized" and stack.num_layers:
-            sched = self._optimized(joint_graph, stack, g)
+            sched = self._scheduler.optimized(joint_graph, stack, info.graph_id, info.frame_id, info.partial,
+                                              g.allocator, self.reports)
         else:
             sched = self.options.make_schedule(stack.num_layers)
         step = rewrite(joint_graph, stack, sched)
@@ -460,7 +455,7 @@ class RematBackend:
                                  for v, kind in zip(joint.primal_values, joint.primal_kinds)
                                  if kind == "input" and isinstance(v, torch.Tensor)),
             pass_time_s=pass_time_s,
-            memory=analyze(concrete, memory=self._memory_model(concrete, allocator)),
+            memory=analyze(concrete, memory=self._scheduler.memory_model(concrete, allocator)),
             step=concrete,
         )
 
@@ -473,83 +468,6 @@ class RematBackend:
             total = max(stack.num_layers, k)
             stack = dataclasses.replace(stack, child_names=tuple(str(i) for i in range(total)), num_layers=total)
         return stack
-
-    def _optimized(self, joint: JointGraph, stack: LayerStack, g: _Graph) -> schedules.Schedule:
-        """The least-recompute schedule whose predicted peak fits ``budget_bytes``
-        (``planner.Planner`` on this graph: chain-model solve, checked by liveness).
-
-        A graph with symbolic sizes reuses the groups chosen for the latest concrete
-        graph of its frame with the same number of layers. A graph that may be part of
-        a step of several graphs (``CompileInfo.partial``) whose least feasible peak is
-        above the budget gets its least feasible schedule: the step decides after its
-        first run (the graph's own peak is not the step's).
-
-        Raises:
-            InfeasibleBudget: the budget is below the least feasible peak of a graph
-                that holds the whole step.
-            UnsupportedGraph: a symbolic graph with no earlier concrete graph to follow.
-        """
-        symbolic = any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes)
-        if symbolic:
-            for r in reversed(self.reports):
-                s = r.step.schedule
-                if r.frame_id == g.info.frame_id and not r.symbolic and s.num_layers == stack.num_layers:
-                    return s
-            raise UnsupportedGraph(
-                f"graph {g.graph_id}: schedule='optimized' solves on concrete sizes and "
-                "this graph's are symbolic with no earlier concrete graph of its frame; "
-                "compile with dynamic=False (torch.compile(..., dynamic=False))"
-            )
-        planner = Planner(joint, stack, lambda s: self._predict_graph(joint, stack, s, g.allocator))
-        try:
-            return planner.plan(int(self.options.budget_bytes)).schedule
-        except InfeasibleBudget:
-            if not g.info.partial:
-                raise
-            return planner.least_feasible()[0]
-
-    def _predict_graph(self, joint: JointGraph, stack: LayerStack, schedule: schedules.Schedule,
-                       allocator: str) -> MemoryReport:
-        concrete = concrete_step(rewrite(joint, stack, schedule))[0]
-        return analyze(concrete, memory=self._memory_model(concrete, allocator))
-
-    def _memory_model(self, step: Any, allocator: str) -> MemoryModel:
-        """The memory model of a concrete step: op scratch calibrated on this CPU
-        (``calibrate`` option; the table for a CUDA allocator), else the table only."""
-        if not self.options.calibrate or allocator != "cpu":
-            return MemoryModel.table_only(allocator)
-        if self._calibrator is None:
-            self._calibrator = Calibrator()
-        return self._calibrator.memory_model([step], allocator)
-
-    def _op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, info: CompileInfo) -> Partition:
-        """The op-level Partition of this graph: the op-level optimum under
-        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only), or the
-        recompute modules / save policy in the layers the schedule stores.
-
-        Raises:
-            InfeasibleBudget: the budget is below the graph's least feasible peak.
-            UnsupportedGraph: the op-level optimum of a graph with symbolic sizes.
-            InvalidSchedule: a module kind the graph's layers do not have, or a name
-                of a save policy that is not in the graph.
-        """
-        o = self.options
-        if o.schedule == "optimized":
-            if any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes):
-                raise UnsupportedGraph(
-                    f"graph {info.graph_id}: the op-level optimum solves on concrete sizes and this graph's "
-                    "are symbolic; compile with dynamic=False (torch.compile(..., dynamic=False))")
-
-            def predict(p: Partition) -> MemoryReport:
-                step = concrete_step(rewrite(joint, stack, p))[0]
-                return analyze(step, memory=self._memory_model(step, allocator))
-
-            planner = OpPlanner(joint, stack, predict, CostModel(o.flops_per_byte), allocator)
-            return planner.plan(int(o.budget_bytes)).partition
-        groups = o.make_schedule(stack.num_layers)
-        if o.recompute_modules:
-            return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups)
-        return save_policy(joint, stack, o.policy, o.policy_names, groups)
 
     def _layer_stack(self, joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str) -> LayerStack:
         # after a break, a graph may hold a single layer of the stack an earlier graph
@@ -667,7 +585,7 @@ class RematBackend:
         if step is not None:
             # op scratch as the per-graph reports count it (calibrated where the sizes are
             # concrete; a node with symbolic sizes falls back to the memory model's rule)
-            memory = self._memory_model(concrete_step(step)[0], g.allocator)
+            memory = self._scheduler.memory_model(concrete_step(step)[0], g.allocator)
 
             def scratch_of(n: fx.Node) -> Any:
                 m = memory.node_memory(n)
@@ -738,7 +656,7 @@ class RematBackend:
 
         budget = int(self.options.budget_bytes)
         plan = plan_step(planned, step_peak, budget,
-                         lambda p, s: self._predict_graph(p.joint, p.stack, s, graphs[p.graph_id].allocator))
+                         lambda p, s: self._scheduler.predict(p.joint, p.stack, s, graphs[p.graph_id].allocator))
         if not plan.feasible:
             least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
             error = infeasible(budget, plan.least_feasible_peak_bytes, f"the step with {least}")
