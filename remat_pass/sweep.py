@@ -227,6 +227,18 @@ class Session:
         calibrator = Calibrator(calibration) if calibration is not None and not joint.fake else None
         return cls(joint, stack, example_inputs, loss_fn, seed, calibrator)
 
+    def check_runs(self) -> None:
+        """Run the un-rewritten step once (its gradients become ``reference_grads``),
+        so that a traced step that cannot run on the real tensors is refused before
+        any peak is predicted for it.
+
+        Raises:
+            UnsupportedGraph: names the node that fails and the op whose real memory
+                layout first differed from the traced one (``measure.run_graph``).
+        """
+        if not self.predicted_only:
+            self.reference_grads  # noqa: B018 - runs the step
+
     @property
     def predicted_only(self) -> bool:
         """The step has no weights (a fake trace): it can be predicted, not run."""

@@ -169,10 +169,15 @@ def test_step_whose_traced_strides_are_wrong_is_refused_naming_the_node(build, c
     assert culprit in str(e.value) and "contiguous" in str(e.value)
 
 
-def test_sweep_command_exits_2_naming_the_node(capsys):
-    code = cli.main(["sweep", "--model", "test_no_crash:batch_norm_transposed"])
-    err = capsys.readouterr().err
-    assert code == cli.EXIT_USAGE and "cannot run: node view" in err and "Traceback" not in err
+@pytest.mark.parametrize("command", ["sweep", "report", "check"])
+def test_commands_exit_2_naming_the_node(command, capsys):
+    """``report`` and ``check`` predict without measuring: they refuse the step too,
+    before printing a peak for it."""
+    extra = ["--budget", "1GiB"] if command == "check" else []
+    code = cli.main([command, "--model", "test_no_crash:batch_norm_transposed", *extra])
+    captured = capsys.readouterr()
+    assert code == cli.EXIT_USAGE and "cannot run: node view" in captured.err and "Traceback" not in captured.err
+    assert "peak" not in captured.out
 
 
 # --------------------------------------------------------------------------- files, factories, gate

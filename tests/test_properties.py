@@ -27,11 +27,13 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from remat_pass import schedule as schedules
+from remat_pass.errors import UnsupportedGraph
 from remat_pass.planner import Planner
 from remat_pass.sweep import Session
 from stacks import StackSpec, build, stack_specs
 
 LOG_ENV = "REMAT_PROPERTY_LOG"
+CANNOT_RUN = "the traced step cannot run"
 THREADS_ENV = "REMAT_PROPERTY_THREADS"
 # intra-op thread counts drawn (1 three times as often as 2 by default: two threads
 # spin-wait on a loaded 2-core machine); e.g. REMAT_PROPERTY_THREADS=2 for a long run
@@ -97,6 +99,14 @@ def test_random_stacks_are_exact(spec: StackSpec, threads: int, data):
         for choice in choices:
             try:
                 out = _evaluate(session, choice, planner_box)
+            except UnsupportedGraph as e:
+                if not str(e).startswith(CANNOT_RUN):
+                    raise
+                # an op whose meta function and kernel disagree on strides (PyTorch's, not
+                # the pass's): the step cannot run as traced, and the pass says so, naming
+                # the node, instead of predicting a peak for it; counted in the log
+                _log({**record, "choice": list(choice), "refused": str(e)[:500]})
+                return
             except Exception as e:
                 _log({**record, "choice": list(choice), "error": f"{type(e).__name__}: {e}"[:500]})
                 raise
