@@ -295,7 +295,9 @@ def block_strategy(hidden: int, heads: int, seq: int) -> st.SearchStrategy[tuple
         st.tuples(st.just("linear"), st.booleans()),
         st.tuples(st.just("mlp"), st.sampled_from([1, 2, 3]), st.sampled_from(ACTIVATIONS)),
         st.tuples(st.just("norm"), st.sampled_from(["layernorm", "rmsnorm", "batchnorm_eval"])),
-        st.tuples(st.just("norm"), st.just("groupnorm"), st.sampled_from(_divisors(hidden))),
+        # GroupNorm in training needs more than one value per group: (hidden / groups) * seq > 1
+        st.tuples(st.just("norm"), st.just("groupnorm"),
+                  st.sampled_from([g for g in _divisors(hidden) if (hidden // g) * seq > 1])),
         st.tuples(st.just("act"), st.sampled_from(ACTIVATIONS)),
         st.tuples(st.just("inplace"), st.sampled_from(["relu_", "tanh_", "mul_", "add_"])),
         st.tuples(st.just("views"), st.integers(0, 2)),
