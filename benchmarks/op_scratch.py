@@ -35,16 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from remat_pass.calibration import CACHE_ENV  # noqa: E402
 from remat_pass.errors import RematError  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
-from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
-
-
-def distinct(num_layers: int) -> list:
-    out, seen = [], set()
-    for s in megatron_schedules(num_layers):
-        if s.groups not in seen:
-            seen.add(s.groups)
-            out.append(s)
-    return out
+from remat_pass.schedule import distinct_megatron_schedules  # noqa: E402
+from remat_pass.sweep import Session  # noqa: E402
 
 
 def shipped(with_gpt2: bool) -> list[tuple[str, object, str | None]]:
@@ -88,7 +80,7 @@ def run(name: str, build, layers: str | None, schedule_limit: int | None) -> lis
         return []
     table_only = Session(calibrated.joint, calibrated.stack, inputs, loss_fn, calibrated.seed, None)
     rows = []
-    todo = distinct(calibrated.stack.num_layers)
+    todo = distinct_megatron_schedules(calibrated.stack.layers_per_stack)
     if schedule_limit:
         todo = todo[:schedule_limit]
     for sch in todo:

@@ -23,17 +23,8 @@ from remat_pass.errors import RematError
 from remat_pass.formatting import markdown_table
 from remat_pass.hf_families import FAMILIES
 from remat_pass.planner import Planner
-from remat_pass.sweep import Session, megatron_schedules
-
-
-def distinct_schedules(per_stack: tuple[int, ...]) -> list:
-    """Megatron schedules of the stacks less repeats of one grouping."""
-    out, seen = [], set()
-    for s in megatron_schedules(per_stack):
-        if s.groups not in seen:
-            seen.add(s.groups)
-            out.append(s)
-    return out
+from remat_pass.schedule import distinct_megatron_schedules
+from remat_pass.sweep import Session
 
 
 def sweep_family(name: str, layers: int) -> dict:
@@ -41,7 +32,7 @@ def sweep_family(name: str, layers: int) -> dict:
     t0 = time.perf_counter()
     model, inputs, loss_fn = FAMILIES[name](layers=layers)
     session = Session.create(model, inputs, loss_fn)
-    todo = distinct_schedules(session.stack.layers_per_stack)
+    todo = distinct_megatron_schedules(session.stack.layers_per_stack)
     planner = Planner(session.joint, session.stack, session.report)
     _, least = planner.least_feasible()
     plan = planner.plan((planner.unconstrained_peak_bytes + least) // 2)

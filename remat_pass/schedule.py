@@ -238,6 +238,22 @@ def megatron_schedules(num_layers: Layers) -> list[Schedule]:
     )
 
 
+def distinct_megatron_schedules(num_layers: Layers) -> list[Schedule]:
+    """``megatron_schedules`` less the repeats of one rewrite: schedules with the same
+    ``groups`` (``none`` = ``block(N=0)``, ``uniform(K=1)`` = ``block(N=L)``), the first
+    of each kept.
+
+    >>> [s.provenance for s in distinct_megatron_schedules(2)]
+    ['none', 'uniform(K=1)', 'uniform(K=2)', 'block(N=1)']
+    """
+    out, seen = [], set()
+    for s in megatron_schedules(num_layers):
+        if s.groups not in seen:
+            seen.add(s.groups)
+            out.append(s)
+    return out
+
+
 def recompute_fraction(recompute_flops: int, forward_flops: int) -> float:
     """Recompute FLOPs as a fraction of forward FLOPs (0 when forward has none)."""
     return recompute_flops / forward_flops if forward_flops else 0.0

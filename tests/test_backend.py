@@ -30,14 +30,7 @@ STEPS = 5
 SCHEDULES = {"uniform2": ("uniform", 2), "block3": ("block", 3), "none": ("none", None)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared machine
-    (steps 100x slower with 2 threads under load)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
 @pytest.fixture(autouse=True)

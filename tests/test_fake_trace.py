@@ -72,15 +72,6 @@ def real_and_meta(name: str, layers: int, dtype: torch.dtype = torch.float32):
     return real, {"input_ids": ids, "labels": ids}, meta, {"input_ids": meta_ids, "labels": meta_ids}
 
 
-def distinct(L: int | tuple[int, ...]) -> list[schedules.Schedule]:
-    out, seen = [], set()
-    for s in schedules.megatron_schedules(L):
-        if s.groups not in seen:
-            seen.add(s.groups)
-            out.append(s)
-    return out
-
-
 def check_fake_equals_real(name: str, layers: int, dtype: torch.dtype = torch.float32, measure: bool = True) -> None:
     """Node for node, every distinct Megatron schedule predicted to the byte (CPU and CUDA
     allocators), and the real step measures what both predict."""
@@ -91,7 +82,7 @@ def check_fake_equals_real(name: str, layers: int, dtype: torch.dtype = torch.fl
     assert node_signature(fake.gm) == node_signature(session.joint.gm)
     stack = assign_layers(fake)
     assert stack.path == session.stack.path
-    for sched in distinct(stack.layers_per_stack):
+    for sched in schedules.distinct_megatron_schedules(stack.layers_per_stack):
         for allocator in ("cpu", "cuda"):
             predicted = analyze(rewrite(fake, stack, sched), allocator).peak_bytes
             assert predicted == session.report(sched, allocator).peak_bytes, (name, sched.provenance, allocator)
@@ -162,7 +153,7 @@ def test_a_model_built_under_fake_tensor_mode_traces_and_is_predicted_only():
     real = Session.create(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]), (torch.randn(4, 8),),
                           lambda y: y.sum())
     assert session.predicted_only and not real.predicted_only
-    for sched in distinct(3):
+    for sched in schedules.distinct_megatron_schedules(3):
         assert session.report(sched).peak_bytes == real.report(sched).peak_bytes
     with pytest.raises(RematError, match="predicted but not run"):
         session.evaluate(schedules.none(3))
@@ -219,6 +210,6 @@ def test_symbolic_fake_trace_equals_the_real_one():
     sym_real = trace_symbolic(real, inputs, None, default_symbols(inputs))
     sym_fake = trace_symbolic(meta, meta_inputs, None, default_symbols(meta_inputs))
     assert sym_fake.joint.fake
-    for sched in distinct(2):
+    for sched in schedules.distinct_megatron_schedules(2):
         assert sym_fake.peak(sched) == sym_real.peak(sched)
         assert sym_fake.peak_at(sched, batch=8, seq=48) == sym_real.peak_at(sched, batch=8, seq=48)

@@ -7,23 +7,11 @@ import torch
 
 from remat_pass import schedule as schedules
 from remat_pass.errors import InvalidSchedule, RematError
-from remat_pass.sweep import Session, megatron_schedules
+from remat_pass.sweep import Session
 from zoo import SDPA, ZOO, ZooEntry, stack, x
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
-
-
-def distinct_schedules(num_layers: schedules.Layers) -> list[schedules.Schedule]:
-    """``megatron_schedules(L)`` (L of each stack) less the repeats of one rewrite:
-    schedules with the same ``groups`` (``none`` = ``block(N=0)``, ``uniform(K=1)`` =
-    ``block(N=L)``)."""
-    out, seen = [], set()
-    for s in megatron_schedules(num_layers):
-        if s.groups not in seen:
-            seen.add(s.groups)
-            out.append(s)
-    return out
 
 
 def own_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -81,7 +69,7 @@ def test_zoo(entry: ZooEntry):
         f"(expected {list(entry.empty_layers)})"
     )
     problems = []
-    for sch in distinct_schedules(session.stack.layers_per_stack):
+    for sch in schedules.distinct_megatron_schedules(session.stack.layers_per_stack):
         try:
             r = session.evaluate(sch, strict=False)
         except RematError as e:
