@@ -19,7 +19,7 @@ from remat_pass.sweep import Session
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 from remat_pass.hf_families import FAMILIES  # noqa: E402
-from test_zoo import distinct_schedules  # noqa: E402
+from remat_pass.schedule import distinct_megatron_schedules as distinct_schedules  # noqa: E402
 
 STACKS = {
     "llama": ["model.layers"], "mistral": ["model.layers"], "qwen2": ["model.layers"],

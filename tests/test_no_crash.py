@@ -19,7 +19,7 @@ from remat_pass.errors import InvalidSchedule, UnsupportedGraph
 from remat_pass.planner import Planner
 from remat_pass.sweep import Session
 
-from test_zoo import distinct_schedules
+from remat_pass.schedule import distinct_megatron_schedules as distinct_schedules
 
 B, D, C = 5, 12, 7
 
