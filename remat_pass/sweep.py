@@ -12,6 +12,11 @@ run again with the same seed. If it does not reproduce itself either, it is run
 ``REFERENCE_RUNS`` times, and each gradient is compared with the largest difference
 observed between those runs of the un-rewritten step (per gradient, so a gradient that
 is reproducible must still be equal), and the result says so (``grads_within_run_to_run``).
+Those runs sample the reduction orders; one run of the rewritten step can still land
+just outside what they saw. A correct rewrite runs the same kernels, so its runs come
+from the same distribution; a wrong one differs at every run. So a schedule outside the
+envelope is run again, up to ``SCHEDULE_RERUNS`` times, and is within when one of its
+runs is.
 
 A step without weights (a fake trace: a model on the meta device, or predicted for a
 device this machine does not have) is predicted only: its results say so
@@ -40,6 +45,7 @@ from .measure import (
     max_abs_diff,
     measure_step,
     run_joint,
+    run_step,
 )
 from .partition import Partition
 from .regions import LayerStack, assign_layers, find_layer_stacks
@@ -52,6 +58,10 @@ __all__ = ["ScheduleResult", "Session", "megatron_schedules", "sweep"]
 REFERENCE_RUNS = 8
 """Runs of the un-rewritten step that measure its run-to-run difference when it is not
 bitwise reproducible (twice that when a schedule's gradients fall outside it)."""
+
+SCHEDULE_RERUNS = 4
+"""Further runs of a rewritten step whose gradients fall outside the un-rewritten step's
+run-to-run difference, when that step is not bitwise reproducible."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +365,11 @@ class Session:
         within, diff, noise = False, 0.0, 0.0
         if not equal:
             within, diff, noise = self._within_run_to_run(m.grads)
+            reruns = 0
+            while not within and noise > 0 and reruns < SCHEDULE_RERUNS:
+                torch.manual_seed(self.seed)
+                within, diff, noise = self._within_run_to_run(run_step(step, self.joint)[1])
+                reruns += 1
         if strict and not (equal or within):
             self.check_grads(schedule, m.grads)
         ok = equal or within
