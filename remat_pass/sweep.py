@@ -175,8 +175,10 @@ class ScheduleResult:
 class Session:
     """A traced step, ready to predict and evaluate many schedules.
 
-    The gradient references are computed on first use, so prediction alone
-    (``prepare``: reports, the CI gate, the pytest plugin) never runs the model.
+    The gradient references are computed on first use. Prediction alone (``prepare``:
+    reports, the CI gate, the pytest plugin) runs the un-rewritten step once when it
+    calibrates (the real layout of every value is known from that run, and a step that
+    cannot run is refused), and never without a calibrator or for a fake step.
 
     Attributes:
         joint, stack: the traced step and its layer stack.
