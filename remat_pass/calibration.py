@@ -1,8 +1,9 @@
 """Calibrate op memory: run each distinct op signature alone under the allocator profiler.
 
 For one op signature (``op_signature``) the calibration builds real inputs with the
-same shapes, strides, storage offsets, dtypes and storage sharing as the FakeTensors
-of the graph (floating values normal, integer and bool values zero: a valid index,
+same shapes, strides, storage offsets, dtypes and storage sharing as the values of the
+step's real run (the traced FakeTensors', or the real layout the reference run recorded
+where an op's meta function and kernel disagree: ``op_signature.REAL_LAYOUT``) (floating values normal, integer and bool values zero: a valid index,
 target, mask for every op seen), runs the op twice to warm up (oneDNN and MKL build
 their state on the first calls), then ``repeats`` times inside
 ``record_function`` windows of one profiler session (``measure.profile_memory_events``,
@@ -48,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from .measure import profile_memory_events
 from .memory_model import MemoryModel, OpMemory
-from .op_signature import host_identity, op_call, signature_of
+from .op_signature import host_identity, layout_of, op_call, signature_of
 from .rewrite import RewrittenStep
 
 CACHE_ENV = "REMAT_PASS_CACHE_DIR"
@@ -239,26 +240,36 @@ def _fill(storage: torch.UntypedStorage, dtype: torch.dtype) -> None:
 
 
 def _materialize(node: fx.Node) -> tuple[Any, tuple, dict]:
-    """``(op, args, kwargs)`` of ``node``'s op with real CPU tensors laid out as its
-    FakeTensors: same shapes, strides, offsets, dtypes, and one real storage for the
-    arguments that share a fake storage."""
+    """``(op, args, kwargs)`` of ``node``'s op with real CPU tensors laid out as the
+    step's real run lays them out (``op_signature.layout_of``: the recorded real layout,
+    else the FakeTensor's): same shapes, strides, offsets, dtypes, and one real storage
+    (the largest size seen) for the arguments that share a fake storage."""
     call = op_call(node)
     assert call is not None
+    sizes: dict[int, int] = {}
+
+    def size(a: fx.Node) -> fx.Node:
+        layout = layout_of(a)
+        if layout is not None:
+            key = a.meta["val"].untyped_storage()._cdata
+            sizes[key] = max(sizes.get(key, 0), layout[2])
+        return a
+
+    fx.node.map_arg((call.args, call.kwargs), size)
     storages: dict[int, torch.UntypedStorage] = {}
 
     def real(a: fx.Node) -> Any:
         val = a.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return val
-        fake = val.untyped_storage()
-        key = fake._cdata
+        key = val.untyped_storage()._cdata
         if key not in storages:
-            storage = torch.empty(int(fake.nbytes()), dtype=torch.uint8).untyped_storage()
+            storage = torch.empty(sizes[key], dtype=torch.uint8).untyped_storage()
             _fill(storage, val.dtype)
             storages[key] = storage
+        stride, offset, _ = layout_of(a)  # type: ignore[misc]
         t = torch.empty(0, dtype=val.dtype)
-        t.set_(storages[key], int(val.storage_offset()), tuple(int(s) for s in val.shape),
-               tuple(int(s) for s in val.stride()))
+        t.set_(storages[key], offset, tuple(int(s) for s in val.shape), stride)
         return t
 
     args = fx.node.map_arg(call.args, real)

@@ -32,12 +32,13 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedGraph
+from .op_signature import RealLayout
 from .rewrite import RewrittenStep
 from .trace import JointGraph, _split_inputs, extract_loss
 
 
 @torch.no_grad()
-def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
+def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout] | None = None) -> list[Any]:
     """Run ``gm`` node by node under ``no_grad``, freeing each value after its last use.
 
     Args:
@@ -45,6 +46,9 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
         args: one value per placeholder; the list is emptied so that the graph, not the
             caller, decides when an argument dies. Keep no other reference to the values
             if their memory should be released.
+        layouts: when given, filled with the RealLayout of every call_function node
+            whose real tensor value differs in strides, storage offset or storage bytes
+            from its traced FakeTensor (``node.meta["val"]``), by node name.
 
     Returns:
         The output node's values as a flat list.
@@ -82,6 +86,10 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
             del a, k
             if first_mismatch is None:
                 first_mismatch = _stride_mismatch(n, env[n])
+            if layouts is not None:
+                real = _real_layout(n, env[n])
+                if real is not None:
+                    layouts[n.name] = real
         elif n.op == "get_attr":
             obj: Any = gm
             for part in n.target.split("."):
@@ -97,6 +105,20 @@ def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
             env.pop(v, None)
     env.clear()
     return result
+
+
+def _real_layout(node: fx.Node, value: Any) -> RealLayout | None:
+    """The RealLayout of ``value`` when it differs from the layout of ``node``'s traced
+    FakeTensor (same shape; strides, offset or storage bytes differ), else None."""
+    val = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)) or value.layout != torch.strided:
+        return None
+    real = RealLayout.of(value)
+    try:
+        traced = RealLayout.of(val)
+    except (TypeError, RuntimeError):  # symbolic sizes: no concrete layout to compare
+        return None
+    return real if real != traced and tuple(val.shape) == tuple(value.shape) else None
 
 
 def _stride_mismatch(node: fx.Node, value: Any) -> str | None:
@@ -139,9 +161,12 @@ def run_step(step: RewrittenStep, joint: JointGraph) -> tuple[list[Any], list[An
     return outputs, grads
 
 
-def run_joint(joint: JointGraph) -> tuple[list[Any], list[Any]]:
-    """The un-rewritten joint graph, run by the same executor: ``(fwd_outputs, grads)``."""
-    out = run_graph(joint.gm, [*joint.primal_values, *joint.tangent_values])
+def run_joint(joint: JointGraph, layouts: dict[str, RealLayout] | None = None) -> tuple[list[Any], list[Any]]:
+    """The un-rewritten joint graph, run by the same executor: ``(fwd_outputs, grads)``.
+
+    ``layouts``: filled with the real layout of every value that differs from the
+    traced one (see ``run_graph``)."""
+    out = run_graph(joint.gm, [*joint.primal_values, *joint.tangent_values], layouts)
     return out[: joint.num_fwd_outputs], out[joint.num_fwd_outputs :]
 
 

@@ -17,6 +17,15 @@ keys on everything found to change it on CPU (probed op by op with torch 2.13):
 
 The RNG wrappers of the rewrite (``run_and_save_rng_state(op, ...)``,
 ``run_with_rng_state(state, op, ...)``) are keyed on the op they wrap (``op_call``).
+
+Strides are the **real** ones: some ops' meta functions (used for tracing) and CPU
+kernels disagree on an output's strides (``native_dropout_backward`` returns its
+input's layout, its meta function a contiguous one), and the kernels that read such a
+value copy it or not depending on the real layout. The un-rewritten step's reference
+run records every value whose real layout differs from the traced one
+(``measure.run_graph``, ``JointGraph.real_layouts``); the rewrite puts it on the nodes
+of the rewritten graphs (``node.meta[REAL_LAYOUT]``), and the signature, and the
+calibration run that rebuilds the arguments, use it.
 """
 
 from __future__ import annotations
@@ -30,6 +39,48 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 RNG_WRAPPERS = ("run_and_save_rng_state", "run_with_rng_state")
+REAL_LAYOUT = "remat_real_layout"
+"""``node.meta`` key of the node's RealLayout, where the real run's differs from the
+traced FakeTensor's (absent: the traced layout is the real one)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RealLayout:
+    """The memory layout a tensor value really has when the step runs on CPU.
+
+    Attributes:
+        stride: strides in elements, one per dimension (the shape is the traced one).
+        storage_offset: offset into the storage, in elements.
+        storage_nbytes: bytes of the whole storage behind the tensor.
+    """
+
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_nbytes: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "RealLayout":
+        """The layout of a real (or fake, with concrete sizes) tensor ``t``."""
+        return cls(tuple(int(s) for s in t.stride()), int(t.storage_offset()),
+                   int(t.untyped_storage().nbytes()))
+
+
+def layout_of(node: fx.Node) -> tuple[tuple[int, ...], int, int] | None:
+    """``(strides, storage offset, storage bytes)`` of the tensor ``node`` holds when the
+    step runs: its RealLayout where one was recorded, else its traced FakeTensor's;
+    None when it holds no tensor.
+
+    Raises:
+        TypeError: a traced size is symbolic.
+    """
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    real = node.meta.get(REAL_LAYOUT)
+    if isinstance(real, RealLayout):
+        return real.stride, real.storage_offset, real.storage_nbytes
+    return (tuple(_concrete_int(s) for s in val.stride()), _concrete_int(val.storage_offset()),
+            _concrete_int(val.untyped_storage().nbytes()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +215,15 @@ def _concrete_int(x: Any) -> int:
     raise TypeError(f"symbolic size {x}")
 
 
-def _spec(val: torch.Tensor, groups: dict[int, int]) -> TensorSpec:
-    storage = val.untyped_storage()
-    group = groups.setdefault(storage._cdata, len(groups))
-    return TensorSpec(
-        tuple(_concrete_int(s) for s in val.shape), tuple(_concrete_int(s) for s in val.stride()),
-        _concrete_int(val.storage_offset()), val.dtype, val.device.type,
-        _concrete_int(storage.nbytes()), group,
-    )
+def _spec(node: fx.Node, groups: dict[int, int]) -> TensorSpec:
+    """The TensorSpec of the tensor ``node`` holds, in its real layout (``layout_of``)."""
+    val = node.meta["val"]
+    group = groups.setdefault(val.untyped_storage()._cdata, len(groups))
+    layout = layout_of(node)
+    assert layout is not None
+    stride, offset, nbytes = layout
+    return TensorSpec(tuple(_concrete_int(s) for s in val.shape), stride, offset, val.dtype,
+                      val.device.type, nbytes, group)
 
 
 def _spec_tree(x: Any, groups: dict[int, int]) -> Any:
@@ -179,7 +231,7 @@ def _spec_tree(x: Any, groups: dict[int, int]) -> Any:
     if isinstance(x, fx.Node):
         val = x.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return _spec(val, groups)
+            return _spec(x, groups)
         if val is None or isinstance(val, (bool, int, float)):
             return val
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):

@@ -26,6 +26,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from .costs import RNG_STATE_BYTES, is_mutating, is_random
 from .errors import InvalidSchedule, UnsupportedGraph
+from .op_signature import REAL_LAYOUT
 from .partition import Partition, Segment, partition
 from .regions import LayerStack
 from .schedule import Schedule
@@ -194,6 +195,13 @@ class _Builder:
         self.layer_out: dict[str, int | None] = {}
         self.kind_out: dict[str, str] = {}
 
+    def _real_layout(self, new: fx.Node, source: fx.Node) -> None:
+        """Put the real layout the step's run recorded for joint node ``source`` (if it
+        differs from the traced one) on ``new``, the node holding the same value."""
+        layout = self.joint.real_layouts.get(source.name)
+        if layout is not None:
+            new.meta[REAL_LAYOUT] = layout
+
     def _label(self, new: fx.Node, source: fx.Node, kind: str | None) -> None:
         self.layer_out[new.name] = self.layer[source.name]
         if kind is not None:
@@ -212,6 +220,7 @@ class _Builder:
                 rng_state_of[n] = state
             else:
                 value = graph.node_copy(n, env.__getitem__)
+            self._real_layout(value, n)
             env[n] = value
             self._label(value, n, "forward")
         output = self.nodes[-1]
@@ -279,6 +288,7 @@ class _Builder:
                 self._recompute(graph, seg, env, recomputed_env, state_placeholder)
 
             new = graph.node_copy(b, lambda a: self._lookup(graph, a, env, recomputed_env))
+            self._real_layout(new, b)
             env[b] = new
             self._label(new, b, "backward")
         grads = self.nodes[-1].args[0][self.joint.num_fwd_outputs:]
@@ -302,6 +312,7 @@ class _Builder:
     def _placeholder(self, graph: fx.Graph, source: fx.Node, layer_source: fx.Node | None) -> fx.Node:
         ph = graph.placeholder(source.name)
         ph.meta.update(source.meta)
+        self._real_layout(ph, source)
         self.layer_out[ph.name] = None if layer_source is None else self.layer[layer_source.name]
         return ph
 
@@ -321,6 +332,7 @@ class _Builder:
                 target, args = run_with_rng_state, (state_placeholder[v], v.target, *args)
             new = graph.create_node(v.op, target, args, kwargs, name=f"{v.name}_recompute")
             new.meta.update(v.meta)
+            self._real_layout(new, v)
             local[v] = new
             self._label(new, v, "recompute")
         recomputed_env.update(local)

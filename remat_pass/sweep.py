@@ -175,8 +175,10 @@ class ScheduleResult:
 class Session:
     """A traced step, ready to predict and evaluate many schedules.
 
-    The gradient references are computed on first use, so prediction alone
-    (``prepare``: reports, the CI gate, the pytest plugin) never runs the model.
+    The gradient references are computed on first use. Prediction alone (``prepare``:
+    reports, the CI gate, the pytest plugin) runs the un-rewritten step once when it
+    calibrates (the real layout of every value is known from that run, and a step that
+    cannot run is refused), and never without a calibrator or for a fake step.
 
     Attributes:
         joint, stack: the traced step and its layer stack.
@@ -246,7 +248,9 @@ class Session:
     def check_runs(self) -> None:
         """Run the un-rewritten step once (its gradients become ``reference_grads``),
         so that a traced step that cannot run on the real tensors is refused before
-        any peak is predicted for it.
+        any peak is predicted for it, and so that the real layout of every value whose
+        traced strides are not the real ones is known (``JointGraph.real_layouts``:
+        rewrites and calibration use it). ``prepare`` calls it first when it calibrates.
 
         Raises:
             UnsupportedGraph: names the node that fails and the op whose real memory
@@ -265,8 +269,12 @@ class Session:
         """Gradients of the un-rewritten joint graph, run by the same executor."""
         if self._reference_grads is None:
             torch.manual_seed(self.seed)
-            self._reference_grads = run_joint(self.joint)[1]
+            layouts: dict[str, Any] = {}
+            self._reference_grads = run_joint(self.joint, layouts)[1]
             self._reference_is_a_run = True
+            # filled once, before any rewrite that calibrates (``prepare``); set on the
+            # traced step itself, so that every holder of it (a Planner) rewrites with it
+            self.joint.real_layouts = layouts
         return self._reference_grads
 
     @reference_grads.setter
@@ -330,9 +338,17 @@ class Session:
 
         ``schedule`` may be a Partition (an op-level policy). The memory model is
         ``memory_model(step, allocator)``: calibrated on the CPU at the current thread
-        count (the seconds include calibrating new signatures).
+        count (the seconds include calibrating new signatures). Calibrating needs the
+        real layout of every value, so the first such call runs the un-rewritten step
+        once (``check_runs``).
+
+        Raises:
+            UnsupportedGraph: (calibrating) the traced step cannot run on the real
+                tensors (``check_runs``).
         """
         t0 = time.perf_counter()
+        if self.calibrator is not None and allocator == "cpu" and self._on_cpu():
+            self.check_runs()
         step = rewrite(self.joint, self.stack, schedule)
         report = analyze(step, memory=self.memory_model(step, allocator))
         return step, report, time.perf_counter() - t0

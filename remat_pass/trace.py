@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from .errors import RematError, UnsupportedGraph
+from .op_signature import RealLayout
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -76,6 +77,12 @@ class JointGraph:
             weights: built on the meta device, under FakeTensorMode or from a config).
             The step can be rewritten and analysed, never run: every figure is
             predicted only.
+        real_layouts: joint node name -> the ``op_signature.RealLayout`` its value
+            really has on CPU, for the values whose real strides, storage offset or
+            storage bytes differ from the traced FakeTensor's (an op whose meta function
+            and kernel disagree); filled from a run of the step
+            (``sweep.Session.check_runs``), empty until then. The rewrite puts them on
+            its nodes, and calibration uses them.
     """
 
     gm: fx.GraphModule
@@ -91,6 +98,7 @@ class JointGraph:
     shape_env: Any = None
     fake: bool = False
     output: str = "loss"
+    real_layouts: dict[str, RealLayout] = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
