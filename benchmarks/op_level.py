@@ -154,18 +154,20 @@ def remat_row(model: torch.nn.Module, ids: torch.Tensor, repeats: int, **options
     """This project's backend with op-level options; recompute from its reports."""
     b = remat_pass.backend(**options)
     res = run(copy.deepcopy(model), ids, b, repeats)
+    # the graphs as they ran: a graph the step re-planning recompiled is reported again
+    reports = list({r.graph_id: r for r in b.reports}.values())
     flops = moved = 0
-    for r in b.reports:
+    for r in reports:
         for n in r.step.backward.graph.nodes:
             if r.step.kind_of.get(n.name) == "recompute":
                 flops += int(node_flops(n))
                 moved += bytes_moved(n)
     return {**res, "recompute_flops": flops, "recompute_bytes_moved": moved,
-            "recomputed_nodes": sum(len(r.step.partition.recomputed_names) for r in b.reports),
-            "saved_nodes": sum(len(r.step.partition.saved) for r in b.reports),
+            "recomputed_nodes": sum(len(r.step.partition.recomputed_names) for r in reports),
+            "saved_nodes": sum(len(r.step.partition.saved) for r in reports),
             # the composed step (several graphs at a break: GPT-2's loss), as measured
             "predicted_peak_bytes": _step_peak(b),
-            "partition": " | ".join(r.schedule for r in b.reports), "graphs": len(b.reports)}
+            "partition": " | ".join(r.schedule for r in reports), "graphs": len(reports)}
 
 
 def _step_peak(b: Any) -> int:
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s); peaks are activation bytes above the step's "
           "start (profiler), after warm-up")
+    print("op-level cost model: " + ("FLOPs only (--flops-per-byte 0)" if args.flops_per_byte == 0 else
+                                     f"roofline, max(FLOPs, {args.flops_per_byte} x bytes moved)"))
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         model, ids, label = (tiny_gpt(args.quick, args.tiny_dropout) if name == "tiny"

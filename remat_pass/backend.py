@@ -41,8 +41,9 @@ break cost is given by a ``GraphBreakWarning``.
 Budgets bound the step. With ``schedule="optimized"``, each graph is planned when it
 compiles against ``budget_bytes`` alone (the other graphs are not known yet); after the
 first step, the schedules of all graphs are chosen together so that the composed step
-fits (``step_planning``), and the graphs whose schedule changed are recompiled: from
-the second step on, the step's peak is within the budget. A budget below the least
+fits (``step_planning``; with ``granularity="op"``, the op-level choices,
+``step_op_planning``), and the graphs whose schedule changed are recompiled: from the
+second step on, the step's peak is within the budget. A budget below the least
 feasible step peak raises ``InfeasibleBudget`` at the end of the first step.
 
 Dynamic shapes: the rewrite is shape-agnostic; the GraphReport's sizes are those of
@@ -107,8 +108,10 @@ from .inspection import dump_step
 from .liveness import analyze, storage_bytes
 from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
 from .report import write_report
+from .partition import Partition
 from .rewrite import RewrittenStep, rewrite
 from .step_flow import GraphCall, GraphLiveness, graph_liveness
+from .step_op_planning import OpPlannedGraph, plan_step_op_level
 from .step_planning import PlannedGraph, plan_step
 from .step_recorder import RecordedGraph, RecordedStep, StepRecorder
 from .step_report import CallSummary, StepReport, break_text, build_step_report, step_markdown
@@ -194,7 +197,7 @@ class _Graph:
     symbols: tuple[tuple[int, int | None, Any], ...] = ()
     hints: dict[Any, int] = dataclasses.field(default_factory=dict)
     code: dict[str, str] = dataclasses.field(default_factory=dict)  # "forward" / "backward" -> Inductor code
-    schedule: schedules.Schedule | None = None  # forced by the step planner
+    schedule: schedules.Schedule | Partition | None = None  # forced by the step planner
     plain: str | None = None  # why it runs un-rewritten (on_error="fallback")
     recorded: RecordedGraph | None = None
     liveness: dict[str, GraphLiveness] = dataclasses.field(default_factory=dict)
@@ -416,7 +419,7 @@ class RematBackend:
         if g.schedule is not None:
             sched = g.schedule
         elif self.options.op_level and stack.num_layers:
-            sched = self._scheduler.op_level(joint_graph, stack, g.allocator, info.graph_id)
+            sched = self._scheduler.op_level(joint_graph, stack, g.allocator, info.graph_id, info.partial)
         elif self.options.schedule == "optimized" and stack.num_layers:
             sched = self._scheduler.optimized(joint_graph, stack, info.graph_id, info.frame_id, info.partial,
                                               g.allocator, self.reports)
@@ -630,7 +633,7 @@ class RematBackend:
 
     def _after_first_step(self, rec: RecordedStep, report: StepReport) -> None:
         if self.options.schedule == "optimized":
-            report = self._replan(rec, report)
+            report = self._replan_op_level(rec, report) if self.options.op_level else self._replan(rec, report)
         self._write_step(report)
         if len(rec.calls) > 1:
             warnings.warn(self.graph_breaks(), GraphBreakWarning, stacklevel=2)
@@ -657,19 +660,46 @@ class RematBackend:
         budget = int(self.options.budget_bytes)
         plan = plan_step(planned, step_peak, budget,
                          lambda p, s: self._scheduler.predict(p.joint, p.stack, s, graphs[p.graph_id].allocator))
-        if not plan.feasible:
-            least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
-            error = infeasible(budget, plan.least_feasible_peak_bytes, f"the step with {least}")
+        least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
+        changed = {gid: s for gid, s in plan.schedules.items() if s != graphs[gid].step.schedule}
+        return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
+
+    def _replan_op_level(self, rec: RecordedStep, report: StepReport) -> StepReport:
+        """``granularity="op"``: every graph's op-level choice picked against the composed
+        step (``step_op_planning``, on the fx graphs); the graphs whose choice changed
+        are recompiled.
+
+        Raises:
+            InfeasibleBudget: as ``_replan``.
+        """
+        graphs = {c.graph_id: self._graphs[c.graph_id] for c in rec.calls}
+        planned = [OpPlannedGraph(gid, *self._scheduler.op_plans[gid]) for gid, g in graphs.items()
+                   if gid in self._scheduler.op_plans and g.plain is None and g.schedule is None]
+        if not planned:
+            return report
+        plan = plan_step_op_level(planned, lambda steps: self._compose(rec, steps).peak_bytes,
+                                  int(self.options.budget_bytes))
+        least = ", ".join(f"{gid}: op-level options {s.options or 'all 0'}, groups {list(s.groups)}"
+                          for gid, s in plan.least_feasible.items())
+        changed = {p.graph_id: plan.partitions[p.graph_id] for p in planned
+                   if plan.solutions[p.graph_id] != p.solution}
+        return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
+
+    def _apply_step_plan(self, rec: RecordedStep, changed: dict[str, schedules.Schedule | Partition],
+                         feasible: bool, least_peak_bytes: int, least: str) -> StepReport:
+        """Raise (or warn) when the step plan does not fit, recompile the graphs whose
+        schedule ``changed``, and return the composed report of ``rec`` with them."""
+        if not feasible:
+            error = infeasible(int(self.options.budget_bytes), least_peak_bytes, f"the step with {least}")
             if self.options.on_error != "fallback":
                 raise error
             warnings.warn(f"remat-pass: {error}; running the least feasible schedules (on_error='fallback')",
-                          RematFallbackWarning, stacklevel=3)
-        for gid, sched in plan.schedules.items():
-            g = graphs[gid]
-            if sched != g.step.schedule:
-                g.schedule = sched
-                with torch.enable_grad():  # a training graph, recompiled at the end of a backward
-                    g.recorded.replace(self._compile(g))
+                          RematFallbackWarning, stacklevel=4)
+        for gid, sched in changed.items():
+            g = self._graphs[gid]
+            g.schedule = sched
+            with torch.enable_grad():  # a training graph, recompiled at the end of a backward
+                g.recorded.replace(self._compile(g))
         self._steps.clear()  # the graphs changed: compose the next steps anew
         return self._compose(rec)
 

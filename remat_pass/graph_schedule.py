@@ -5,7 +5,9 @@ for one graph Dynamo captured: the memory model of a concrete step (calibrated o
 CPU, else the formula table), the predicted report of a schedule, the optimized
 schedule under ``budget_bytes`` (``planner.Planner``), and the op-level Partition
 (``op_planner.OpPlanner``, or a module-kind / save policy). The backend
-(``backend.RematBackend``) composes the graphs of a step; this module sees one graph.
+(``backend.RematBackend``) composes the graphs of a step; this module sees one graph,
+and keeps each graph's op-level planner and choice (``op_plans``) for the step's
+re-planning (``step_op_planning``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .errors import InfeasibleBudget, UnsupportedGraph
 from .graph_transforms import concrete_step, is_symbolic_tensor
 from .liveness import MemoryReport, analyze
 from .memory_model import MemoryModel
+from solvers import Solution, model_peak
+
 from .op_planner import CostModel, OpPlanner
 from .partition import Partition
 from .planner import Planner
@@ -36,6 +40,7 @@ class GraphScheduler:
     def __init__(self, options: BackendOptions):
         self.options = options
         self._calibrator: Calibrator | None = None
+        self.op_plans: dict[str, tuple[OpPlanner, Solution]] = {}  # graph id -> planner, its choice
 
     def memory_model(self, step: Any, allocator: str) -> MemoryModel:
         """The memory model of a concrete step: op scratch calibrated on this CPU
@@ -88,13 +93,18 @@ class GraphScheduler:
                 raise
             return planner.least_feasible()[0]
 
-    def op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, graph_id: str) -> Partition:
+    def op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, graph_id: str,
+                 partial: bool = False) -> Partition:
         """The op-level Partition of this graph: the op-level optimum under
-        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only), or the
-        recompute modules / save policy in the layers the schedule stores.
+        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only; the planner and
+        its choice are kept in ``op_plans[graph_id]``), or the recompute modules / save
+        policy in the layers the schedule stores. A graph that may be part of a step of
+        several graphs (``partial``) whose least feasible peak is above the budget gets
+        its least feasible choice: the step decides after its first run.
 
         Raises:
-            InfeasibleBudget: the budget is below the graph's least feasible peak.
+            InfeasibleBudget: the budget is below the least feasible peak of a graph
+                that holds the whole step.
             UnsupportedGraph: the op-level optimum of a graph with symbolic sizes.
             InvalidSchedule: a module kind the graph's layers do not have, or a name
                 of a save policy that is not in the graph.
@@ -107,7 +117,15 @@ class GraphScheduler:
                     "are symbolic; compile with dynamic=False (torch.compile(..., dynamic=False))")
             planner = OpPlanner(joint, stack, lambda p: self.predict(joint, stack, p, allocator),
                                 CostModel(o.flops_per_byte), allocator)
-            return planner.plan(int(o.budget_bytes)).partition
+            try:
+                plan = planner.plan(int(o.budget_bytes))
+                solution = model_peak(planner.costs, plan.groups, plan.options)
+            except InfeasibleBudget:
+                if not partial:
+                    raise
+                solution = planner.least_feasible().solution
+            self.op_plans[graph_id] = (planner, solution)
+            return planner.partition(solution)
         groups = o.make_schedule(stack.num_layers)
         if o.recompute_modules:
             return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups)

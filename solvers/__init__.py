@@ -23,7 +23,7 @@ from .chain import (
     pareto_front,
 )
 from .errors import InfeasibleBudget, InvalidSchedule, RematError
-from .resolve import CheckedPlan, least_feasible_checked, least_recompute_checked
+from .resolve import CheckedPlan, least_feasible_checked, least_recompute_checked, least_recompute_offset
 
 __all__ = [
     "ChainCosts",
@@ -38,6 +38,7 @@ __all__ = [
     "least_peak",
     "least_recompute",
     "least_recompute_checked",
+    "least_recompute_offset",
     "model_peak",
     "pareto_front",
 ]

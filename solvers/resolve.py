@@ -105,3 +105,92 @@ def least_recompute_checked(costs: ChainCosts, budget_bytes: int, predict: Predi
     sol = model_peak(costs, least.groups, least.options)
     return CheckedPlan(least.groups, sol.peak_bytes, least.predicted_peak_bytes, sol.recompute_flops,
                        resolves, least.options)
+
+
+def least_recompute_offset(costs: ChainCosts, budget_bytes: int, predict: Predict,
+                           start_model_budget: int | None = None, max_solves: int = 64) -> CheckedPlan | None:
+    """The least-recompute schedule whose predicted peak is <= ``budget_bytes``, when the
+    predictor and the chain model differ by an offset that is unknown (and need not be
+    positive): a graph that is one of several of a step, whose chain model is
+    calibrated on the graph alone while ``predict`` is the composed step's peak.
+
+    ``least_recompute_checked`` only ever lowers the model budget, so when the model
+    over-states the predicted peak it recomputes more than needed. Here the model
+    budget ``m`` is searched both ways. The model's answer at ``m`` costs no more as
+    ``m`` rises, so:
+
+    1. Recomputing nothing is tried first (the cheapest schedule).
+    2. From ``start_model_budget`` (the caller's estimate of ``budget_bytes`` plus the
+       offset; default ``budget_bytes``; raised to the model's least peak when below
+       it), the model budget is lowered by the excess while the answer's predicted peak
+       overshoots: the first ``m`` found whose answer fits.
+    3. Bisection between that ``m`` and the lowest model budget seen to overshoot,
+       predicting only answers cheaper than the best that fits.
+
+    Every answer returned is checked by ``predict``; it is the optimum of the model's
+    Pareto front when the predicted peak does not rise along the front as the model
+    peak falls (then exactly ``least_recompute(costs, budget_bytes + offset)`` for a
+    constant offset).
+
+    Args:
+        costs: the chain model.
+        budget_bytes: the peak budget (bytes) on ``predict``'s scale.
+        predict: the exact peak of a chain-model Solution (bytes).
+        start_model_budget: the model budget to start from (bytes).
+        max_solves: how many chain solves the search may take.
+
+    Returns:
+        The CheckedPlan (``resolves``: the chain solves taken), or None when no answer
+        found fits (the caller keeps what it has).
+    """
+    top = model_peak(costs, ())
+    best: CheckedPlan | None = None
+    peaks: dict[tuple, int] = {}
+
+    def peak_of(sol: Solution) -> int:
+        key = (sol.groups, sol.options)
+        if key not in peaks:
+            peaks[key] = predict(sol)
+        return peaks[key]
+
+    def fits(sol: Solution, solves: int) -> bool:
+        nonlocal best
+        peak = peak_of(sol)
+        if peak > budget_bytes:
+            return False
+        if best is None or sol.recompute_flops < best.recompute_flops:
+            best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, solves, sol.options)
+        return True
+
+    if fits(top, 0):
+        return best
+    over = top.peak_bytes  # a model budget whose answer overshoots
+    m = min(budget_bytes if start_model_budget is None else start_model_budget, over - 1)
+    fit_at: int | None = None
+    solves, least_tried = 0, False
+    while solves < max_solves:
+        solves += 1
+        try:
+            sol = least_recompute(costs, m)
+        except InfeasibleBudget as e:  # below the model's least peak: start there, once
+            if m >= e.least_feasible_peak_bytes or least_tried:
+                return None
+            m, least_tried = e.least_feasible_peak_bytes, True
+            continue
+        if fits(sol, solves):
+            fit_at = m
+            break
+        over = min(over, m)
+        m -= max(peak_of(sol) - budget_bytes, 1)
+    if fit_at is None:
+        return None
+    while over - fit_at > 1 and solves < max_solves:
+        solves += 1
+        mid = (fit_at + over) // 2
+        sol = least_recompute(costs, mid)
+        assert best is not None
+        if sol.recompute_flops >= best.recompute_flops or fits(sol, solves):
+            fit_at = mid  # nothing cheaper fits at or below mid
+        else:
+            over = mid
+    return best

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import remat_pass
 from remat_pass.backend import GraphBreakWarning, RematFallbackWarning
+from remat_pass.costs import node_flops
 from remat_pass.formatting import fmt_bytes
 from remat_pass.errors import InfeasibleBudget, InvalidOption, InvalidSchedule, StepNotComposable
 from remat_pass.measure import profiled_peak_cpu
@@ -377,3 +378,69 @@ def test_budget_over_two_graphs_with_layers():
             tight = remat_pass.backend("optimized", budget_bytes=measured["uniform"] // 2)
             torch.compile(copy.deepcopy(model), backend=tight)(ids).backward()
     assert info.value.least_feasible_peak_bytes == measured["uniform"]
+
+
+def _recompute_flops(report) -> int:
+    step = report.step
+    return sum(int(node_flops(n)) for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute")
+
+
+def _op_level_step(model: nn.Module, ids: torch.Tensor, budget: int):
+    """The op-level optimum (FLOPs-only costs) compiled at ``budget``: the backend, the
+    measured peak (after the step re-planning) and whether the gradients equal eager's."""
+    torch._dynamo.reset()
+    m, ref = copy.deepcopy(model), copy.deepcopy(model)
+    b = remat_pass.backend(granularity="op", budget_bytes=budget, flops_per_byte=0)
+    f = torch.compile(m, backend=b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        measured = _measured(m, lambda: f(ids).backward())
+    ref(ids).backward()
+    return b, measured, all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+def test_op_level_is_planned_against_the_step():
+    """granularity='op' on a model with a break inside the loss: each graph is first
+    planned alone (its own peak holds its outputs and gradients to its end, more than
+    the step does); after the first step the op-level choices are picked against the
+    composed step. At 70 % of the un-rewritten step's measured peak the measured step is
+    within the budget, the step report equals it to the byte, the gradients equal
+    eager's, and the step recomputes fewer FLOPs than the per-graph plans (the graphs'
+    first compiles) did."""
+    torch.manual_seed(0)
+    model, ids = Breaky(layers=4), _ids(4)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    f = torch.compile(m, backend=remat_pass.backend("none"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        plain = _measured(m, lambda: f(ids).backward())
+    budget = plain * 7 // 10
+    b, measured, grads_equal = _op_level_step(model, ids, budget)
+    assert measured <= budget and b.step_report().peak_bytes == measured and grads_equal
+    first, last = {}, {}
+    for r in b.reports:
+        first.setdefault(r.graph_id, r)
+        last[r.graph_id] = r
+    assert len(b.reports) > len(first), "the step re-planning recompiled no graph"
+    per_graph = sum(_recompute_flops(r) for r in first.values())
+    step_planned = sum(_recompute_flops(r) for r in last.values())
+    assert step_planned < per_graph
+    assert all(r.step.partition.policy == "op_optimal" for r in last.values() if r.layers)
+
+
+@pytest.mark.slow
+def test_op_level_step_least_feasible_peak_fits():
+    """A budget below the least step peak the op-level planner finds raises
+    InfeasibleBudget out of the first step, carrying that peak; at that peak the
+    layers' graph on its own cannot fit (its first compile, planned alone, is over the
+    budget: it was given its least feasible choice, not refused), and after the step
+    re-planning the measured step fits and equals the step report."""
+    torch.manual_seed(0)
+    model, ids = Breaky(layers=4), _ids(4)
+    with pytest.raises(InfeasibleBudget) as info:
+        _op_level_step(model, ids, 2**16)
+    least = info.value.least_feasible_peak_bytes
+    b, measured, grads_equal = _op_level_step(model, ids, least)
+    assert b.reports[0].layers and b.reports[0].memory.peak_bytes > least
+    assert measured <= least and b.step_report().peak_bytes == measured and grads_equal

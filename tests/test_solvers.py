@@ -20,6 +20,7 @@ from solvers import (
     least_peak,
     least_recompute,
     least_recompute_checked,
+    least_recompute_offset,
     model_peak,
     pareto_front,
 )
@@ -100,6 +101,34 @@ def test_dynamic_program_is_exact(L, seed, options):
     # the Pareto front: no schedule is strictly better on both
     for p in pareto_front(c):
         assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
+
+
+
+@pytest.mark.parametrize("L,seed,options,offset", [(4, 21, 0, 37), (5, 22, 1, -23), (5, 23, 2, 0), (6, 24, 0, 150)])
+def test_offset_search_matches_brute_force(L, seed, options, offset):
+    """A predictor that is the model's peak minus an offset the search is not told (a
+    graph's chain model against the composed step's peak): at every budget across the
+    range, from a start that guesses the offset wrong both ways, the search finds the
+    least recompute of all schedules whose *predicted* peak fits (brute force), and its
+    answer fits; below every predicted peak it finds nothing."""
+    c = random_costs(L, seed, options)
+    every = every_schedule(c)
+    predicted = [s.peak_bytes - offset for s in every]
+    calls = []
+
+    def predict(sol):
+        calls.append(sol)
+        return model_peak(c, sol.groups, sol.options).peak_bytes - offset
+
+    lo, hi = min(predicted), max(predicted)
+    for budget in sorted({lo, lo + 5, (lo + hi) // 2, hi - 1, hi}):
+        best = min(s.recompute_flops for s, p in zip(every, predicted) if p <= budget)
+        for start in (budget, budget + 2 * abs(offset) + 40, budget - 60):
+            found = least_recompute_offset(c, budget, predict, start)
+            assert found is not None and found.recompute_flops == best, (budget, start)
+            assert found.predicted_peak_bytes <= budget
+            assert found.predicted_peak_bytes == model_peak(c, found.groups, found.options).peak_bytes - offset
+    assert least_recompute_offset(c, lo - 1, predict) is None
 
 
 def test_least_feasible_checked_considers_recomputing_nothing():
