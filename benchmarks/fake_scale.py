@@ -6,7 +6,9 @@ seq 4096, micro-batch 1, bf16, target cuda), predicted from a 4-layer trace.
         [--device-memory 80GiB] [--optimizer adamw] [--json out.json]
 
 Prints wall and CPU seconds per stage and the peak RSS of the process
-(``resource.getrusage``), then the predicted peaks of a few schedules and the plan.
+(``resource.getrusage``), the static memory split, then the predicted peaks of a few
+schedules and the plan beside Megatron-LM's theoretical activation bytes for the same
+shapes (Korthikanti et al. 2022, ``solvers.theoretical_memory``).
 The goal (issue 11): under 60 s and 4 GiB of RSS on the project's 2-core machine.
 """
 
@@ -27,11 +29,29 @@ from remat_pass import schedule as schedules  # noqa: E402
 from remat_pass.errors import InfeasibleBudget, RematError  # noqa: E402
 from remat_pass.formatting import fmt_bytes, parse_bytes  # noqa: E402
 from remat_pass.workload import WorkloadOptions, load_workload  # noqa: E402
+from solvers.theoretical_memory import TransformerShape, megatron_activation_bytes  # noqa: E402
 
 
 def rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux: ru_maxrss is KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def transformer_shape(config_path: str, seq: int, batch: int) -> TransformerShape:
+    """Korthikanti et al.'s shapes from a ``transformers`` config file (Llama / Mistral
+    names, or GPT-2's ``n_embd`` / ``n_inner`` / ``n_layer`` / ``n_head``)."""
+    c = json.loads(Path(config_path).read_text())
+    hidden = c.get("hidden_size", c.get("n_embd"))
+    ffn = c.get("intermediate_size", c.get("n_inner")) or 4 * hidden
+    return TransformerShape(seq=seq, micro_batch=batch, hidden=hidden, ffn_hidden=ffn,
+                            num_heads=c.get("num_attention_heads", c.get("n_head")),
+                            num_layers=c.get("num_hidden_layers", c.get("n_layer")), vocab=c["vocab_size"])
+
+
+def theory_bytes(shape: TransformerShape, s: schedules.Schedule) -> int:
+    """Korthikanti et al.'s activation bytes for a Megatron schedule (flash attention:
+    selective-recompute terms for the layers that are not recomputed)."""
+    return megatron_activation_bytes(shape, s.method, s.recompute_num_layers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     out["trace_wall_s"], out["trace_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
     w1, c1 = time.perf_counter(), time.process_time()
     todo = schedules.megatron_schedules(w.num_layers)
-    peaks = {s.provenance: w.report(s).peak_bytes for s in todo}
+    L = w.num_layers
+    shown = [schedules.none(L), schedules.uniform(1, L), schedules.uniform(2, L), schedules.uniform(4, L),
+             schedules.block(L // 4, L), schedules.block(L // 2, L)]
+    reports = {s.provenance: w.report(s) for s in todo}
+    peaks = {name: r.peak_bytes for name, r in reports.items()}
+    saved = {s.provenance: reports[s.provenance].saved_activation_bytes for s in shown}
+    del reports
     out["schedules"] = len(todo)
     out["sweep_wall_s"], out["sweep_cpu_s"] = time.perf_counter() - w1, time.process_time() - c1
     w2, c2 = time.perf_counter(), time.process_time()
@@ -93,19 +119,28 @@ def main(argv: list[str] | None = None) -> int:
                    "recompute_fraction": plan.recompute_fraction, "resolves": plan.resolves}
     out["peaks"] = peaks
     out["loadavg"] = open("/proc/loadavg").read().split()[:3]
-    L = w.num_layers
     print(f"{w.description}")
     print(f"trace {out['trace_wall_s']:.1f} s wall / {out['trace_cpu_s']:.1f} s CPU; "
           f"{len(todo)} Megatron schedules {out['sweep_wall_s']:.1f} / {out['sweep_cpu_s']:.1f} s; "
           f"plan {out['plan_wall_s']:.1f} / {out['plan_cpu_s']:.1f} s; "
           f"total {out['total_wall_s']:.1f} s wall / {out['total_cpu_s']:.1f} s CPU; "
           f"peak RSS {fmt_bytes(out['rss_peak_bytes'])} (load average {' '.join(out['loadavg'])})")
-    print(f"static {fmt_bytes(w.static.total_bytes)}; activation budget {fmt_bytes(budget)} ({out['budget_from']})")
-    for s in (schedules.none(L), schedules.uniform(1, L), schedules.uniform(2, L), schedules.uniform(4, L),
-              schedules.block(L // 4, L), schedules.block(L // 2, L)):
-        print(f"  {s.provenance:14s} {fmt_bytes(peaks[s.provenance])}")
-    print(f"  optimized      {fmt_bytes(plan.predicted_peak_bytes)}  {plan.describe()}  "
+    parts = [(k, v) for k, v in out["static"].items() if type(v) is int and k not in ("total_bytes", "gradient_bytes")]
+    print(f"static {fmt_bytes(w.static.total_bytes)}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts)
+          + f"; parameter gradients {fmt_bytes(w.static.gradient_bytes)} (inside each peak)")
+    print(f"activation budget {fmt_bytes(budget)} ({out['budget_from']})")
+    shape = transformer_shape(args.config, args.seq, args.batch)
+    out["theory"] = {}
+    out["saved_activation_bytes"] = saved
+    print(f"  {'schedule':14s} {'predicted peak':>15s} {'saved':>11s} {'Korthikanti':>12s}")
+    for s in shown:
+        out["theory"][s.provenance] = theory_bytes(shape, s)
+        print(f"  {s.provenance:14s} {fmt_bytes(peaks[s.provenance]):>15s} {fmt_bytes(saved[s.provenance]):>11s} "
+              f"{fmt_bytes(out['theory'][s.provenance]):>12s}")
+    print(f"  {'optimized':14s} {fmt_bytes(plan.predicted_peak_bytes):>15s} {'':>11s} {'':>12s}  {plan.describe()}  "
           f"recompute {100 * plan.recompute_fraction:.1f} % of forward")
+    print("predicted peak: activation bytes above static memory (parameter gradients included); saved: what "
+          "forward saves for backward; Korthikanti: Megatron's theoretical activations (flash attention)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
