@@ -121,6 +121,7 @@ def load_config(path: str | Path) -> Any:
         raise ConfigError(f"{path}: model_type {model_type!r} is not a transformers model type{hint}")
     config_class = transformers.CONFIG_MAPPING[model_type]
     aliases = dict(getattr(config_class, "attribute_map", {}))
+    shape = {}
     for name in SHAPE_FIELDS:
         given = [n for n in (name, aliases.get(name)) if n and n in fields]
         if not given:
@@ -130,13 +131,33 @@ def load_config(path: str | Path) -> Any:
         value = fields[given[0]]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{path}: field {given[0]} is {value!r}; it must be a positive integer")
+        shape[name] = value
+    if "head_dim" not in fields or model_type == "t5":
+        # before transformers sees it: some versions refuse this in their own words, others not at all
+        _check_heads(shape["hidden_size"], shape["num_attention_heads"], str(path))
     fields.pop("transformers_version", None)
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: transformers rejects the config: {e}") from e
+    except (TypeError, ValueError, _strict_validation_error()) as e:
+        raise ConfigError(f"{path}: transformers rejects the config: {' '.join(str(e).split())}") from e
     check_config(config, str(path))
     return config
+
+
+def _strict_validation_error() -> type[Exception]:
+    """The error ``huggingface_hub``'s strict dataclasses raise when a transformers
+    config fails its own validators (transformers 5); ValueError where it is absent."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ValueError
+    return StrictDataclassError
+
+
+def _check_heads(hidden: int, heads: int, where: str) -> None:
+    if hidden % heads:
+        raise ConfigError(f"{where}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}); "
+                          "give a hidden size that is a multiple of the heads, or an explicit head_dim")
 
 
 def check_config(config: Any, where: str = "config") -> None:
@@ -148,9 +169,8 @@ def check_config(config: Any, where: str = "config") -> None:
     """
     hidden, heads = config.hidden_size, config.num_attention_heads
     explicit_head_dim = "head_dim" in config.to_diff_dict() and config.model_type != "t5"
-    if not explicit_head_dim and hidden % heads:
-        raise ConfigError(f"{where}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}); "
-                          "give a hidden size that is a multiple of the heads, or an explicit head_dim")
+    if not explicit_head_dim:
+        _check_heads(hidden, heads, where)
     kv = getattr(config, "num_key_value_heads", None)
     if kv is not None and (not isinstance(kv, int) or kv < 1 or heads % kv):
         raise ConfigError(f"{where}: num_key_value_heads ({kv}) must be a positive divisor of "
