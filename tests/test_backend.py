@@ -21,6 +21,7 @@ from remat_pass.backend import (
     registered_backend,
 )
 from remat_pass.errors import InvalidSchedule
+from remat_pass.inspection import load_dump
 from remat_pass.models import TinyGPT
 from remat_pass.sweep import Session
 
@@ -344,11 +345,7 @@ def test_graph_break_inside_layer_loop():
 
 
 def test_report_dir_option_and_env(tmp_path, monkeypatch):
-    try:
-        from remat_pass.inspection import load_dump
-    except ImportError:  # the inspect dump is written only where inspection exists
-        load_dump = None
-    suffixes = [".json", ".md"] + ([".remat.json"] if load_dump else [])
+    suffixes = [".json", ".md", ".remat.json"]
 
     model, loss_of = _model("tiny", 0.0)
     b = remat_pass.backend("block", 3, report_dir=tmp_path / "opt")
@@ -363,8 +360,7 @@ def test_report_dir_option_and_env(tmp_path, monkeypatch):
     assert data["graph_id"] == r.graph_id and data["schedule"] == "block(N=3)"
     assert data["memory"]["peak_bytes"] == r.memory.peak_bytes
     assert "block(N=3)" in (folder / f"{stem}.md").read_text()
-    if load_dump:
-        assert load_dump(folder / f"{stem}.remat.json")
+    assert load_dump(folder / f"{stem}.remat.json")
 
     torch._dynamo.reset()
     monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path / "env"))
