@@ -38,15 +38,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._mode_utils import no_dispatch
 
 from .errors import RematError, UnsupportedGraph
-from .trace import (
-    JointGraph,
-    LossFn,
-    capture_joint,
-    dynamic_dims,
-    flatten_step,
-    joint_graph,
-    symbolic_context,
-)
+from .flat_step import LossFn, flatten_step
+from .shape_symbols import dynamic_dims, symbolic_context
+from .trace import JointGraph, capture_joint, joint_graph
 
 
 class FakeConverter:

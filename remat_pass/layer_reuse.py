@@ -61,7 +61,8 @@ from .regions import LayerStack
 from .rewrite import rewrite
 from .schedule import Schedule
 from .static_memory import StaticTensor
-from .symbolic import SizeConverter, SymbolicModel, SymbolicStep
+from .symbolic import SymbolicModel, SymbolicStep
+from .symbolic_sizes import SizeConverter
 from .trace import JointGraph
 
 ROLES = ("S", "G1", "F", "M", "E")

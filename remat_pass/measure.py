@@ -32,9 +32,10 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedGraph
+from .flat_step import _split_inputs, extract_loss
 from .op_signature import RealLayout
 from .rewrite import RewrittenStep
-from .trace import JointGraph, _split_inputs, extract_loss
+from .trace import JointGraph
 
 
 @torch.no_grad()

@@ -52,7 +52,8 @@ from .liveness import MemoryReport, storage_bytes
 from .partition import OpLevelChoice, Partition, op_level_partition
 from .regions import LayerStack
 from .rewrite import rewrite
-from .symbolic import SizeConverter, SymbolicModel, profile_step, regions
+from .symbolic import SymbolicModel, profile_step, regions
+from .symbolic_sizes import SizeConverter
 from .trace import JointGraph
 
 POLICY = "op_optimal"

@@ -8,33 +8,28 @@ came from in ``node.meta["nn_module_stack"]`` (forward) or
 ``node.meta["fwd_nn_module_stack"]`` (backward, copied by AOTAutograd from the forward
 node with the same ``seq_nr``).
 
-Module paths are recorded with global module forward hooks that write
-``torch.fx.traceback.current_meta["nn_module_stack"]`` while
-``torch.fx.traceback.preserve_node_meta()`` is active: fx copies that field onto every
-node created inside the module call, in the same ``{path: (path, type)}`` layout Dynamo
-and ``make_fx(record_module_stack=True)`` use.
+The step is flattened first (``flat_step``: module paths recorded while it runs), a
+symbolic trace gets its fake primals from ``shape_symbols``, and a step that runs
+eagerly but cannot be traced is explained by ``untraceable``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from .errors import RematError, UnsupportedGraph
+from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
-
-LossFn = Callable[[Any], torch.Tensor]
+from .shape_symbols import named_symbols, symbolic_trace_values
+from .untraceable import explain_untraceable, quiet_fake_tensor_log
 
 
 @dataclasses.dataclass
@@ -135,227 +130,6 @@ class _JointCaptured(Exception):
         self.num_fwd_outputs = num_fwd_outputs
 
 
-@contextlib.contextmanager
-def record_module_stack(model: torch.nn.Module) -> Iterator[None]:
-    """While active, fx nodes created inside a submodule's forward get
-    ``meta["nn_module_stack"] = {path: (path, type_qualname), ...}`` (outermost first).
-
-    Must be used inside ``torch.fx.traceback.preserve_node_meta()``.
-    """
-    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    stack: list[int] = []
-
-    def _set_meta() -> None:
-        if stack:
-            fx_traceback.current_meta["nn_module_stack"] = {
-                paths[i]: (paths[i], type_names[i]) for i in stack
-            }
-        else:
-            fx_traceback.current_meta.pop("nn_module_stack", None)
-
-    type_names = {id(m): type(m).__qualname__ for m in model.modules()}
-
-    def pre_hook(module: torch.nn.Module, args: Any) -> None:
-        if id(module) in paths:
-            stack.append(id(module))
-            _set_meta()
-
-    def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if stack and stack[-1] == id(module):
-            stack.pop()
-            _set_meta()
-
-    h_pre = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
-    h_post = torch.nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
-    try:
-        yield
-    finally:
-        h_pre.remove()
-        h_post.remove()
-        stack.clear()
-        fx_traceback.current_meta.pop("nn_module_stack", None)
-
-
-@contextlib.contextmanager
-def bind_tensors(model: torch.nn.Module, replace: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Temporarily put ``replace[id(t)]`` in place of every parameter / buffer ``t``.
-
-    Each module is visited once and each tensor is swapped by identity, so shared
-    modules and tied weights stay shared, and everything is restored on exit
-    (``torch.func.functional_call`` does not restore a module registered twice).
-    """
-    undo: list[tuple[dict, str, Any]] = []
-    try:
-        for module in model.modules():
-            for slots in (module._parameters, module._buffers):
-                for name, t in list(slots.items()):
-                    if t is not None and id(t) in replace:
-                        undo.append((slots, name, t))
-                        slots[name] = replace[id(t)]
-        yield
-    finally:
-        for slots, name, t in reversed(undo):
-            slots[name] = t
-
-
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise TypeError(
-        f"example_inputs must be a Tensor, a tuple/list of positional arguments or a dict "
-        f"of keyword arguments; got {type(example_inputs).__name__}"
-    )
-
-
-def _describe_value(value: Any) -> str:
-    """``a tensor of shape [8, 6] (float32)``, ``a tuple of 2``, or the type's name (a
-    traced tensor is named by its shape, not its internal tensor type)."""
-    if isinstance(value, torch.Tensor):
-        shape = ", ".join(str(d) for d in value.shape)
-        return f"a tensor of shape [{shape}] ({str(value.dtype).replace('torch.', '')})"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
-
-
-OUTPUTS = ("loss", "activation")
-
-
-def extract_output(output: Any, loss_fn: LossFn | None, kind: str) -> torch.Tensor:
-    """The traced forward output: the scalar loss (``kind="loss"``, see
-    ``extract_loss``) or a pipeline stage's output activation (``kind="activation"``:
-    ``loss_fn(output)`` when given, else ``output``, which must be one tensor).
-
-    Raises:
-        RematError: no scalar loss, or a stage output that is not one tensor that
-            requires grad.
-        ValueError: ``kind`` is not one of ``OUTPUTS``.
-    """
-    if kind == "loss":
-        return extract_loss(output, loss_fn)
-    if kind != "activation":
-        raise ValueError(f"output={kind!r} is not one of {OUTPUTS}")
-    out = loss_fn(output) if loss_fn is not None else output
-    if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point():
-        raise RematError(
-            "a pipeline stage traced with output='activation' must return one floating-point "
-            f"tensor that requires grad (the activation sent to the next stage); it returned "
-            f"{type(out).__name__}"
-        )
-    return out
-
-
-def extract_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
-    """The scalar loss of one model output.
-
-    Args:
-        output: what the model returned.
-        loss_fn: ``loss_fn(output) -> scalar tensor``; None when ``output`` is the loss
-            or has a ``.loss`` attribute / ``"loss"`` key (Hugging Face models).
-
-    Raises:
-        RematError: no scalar loss can be found.
-    """
-    loss = loss_fn(output) if loss_fn is not None else output
-    if not isinstance(loss, torch.Tensor):
-        if getattr(loss, "loss", None) is not None:
-            loss = loss.loss
-        elif isinstance(loss, dict) and "loss" in loss:
-            loss = loss["loss"]
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = "the loss_fn returned" if loss_fn is not None else "the model output is"
-        raise RematError(
-            f"the training step needs a scalar loss: {what} {_describe_value(loss)}; pass "
-            "loss_fn(output) -> scalar tensor (e.g. .sum() or .mean() of it), or make the model "
-            "return the loss (or an object with a .loss)"
-        )
-    return loss
-
-
-@dataclasses.dataclass
-class FlatStep:
-    """One training step as a function of flat tensors, what AOTAutograd traces.
-
-    Attributes:
-        fn: ``fn(*primals) -> scalar loss``; the primals are the parameters, then the
-            buffers, then the tensors of the example inputs, bound into the model by
-            identity (``bind_tensors``) while it runs.
-        primal_values: the tensors that were flattened, in that order.
-        primal_kinds: "param", "buffer" or "input" for each primal.
-        primal_labels: the parameter / buffer name or "input[i]" / "input[key]".
-        arg_spec, kwarg_spec: the example inputs with each tensor replaced by
-            ``("__tensor__", i)`` (i: its index among the input tensors).
-        num_params_buffers: how many primals are parameters and buffers.
-    """
-
-    fn: Callable[..., torch.Tensor]
-    primal_values: list[torch.Tensor]
-    primal_kinds: list[str]
-    primal_labels: list[str]
-    arg_spec: list[Any]
-    kwarg_spec: dict[str, Any]
-    num_params_buffers: int
-
-
-def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | None,
-                 output: str = "loss") -> FlatStep:
-    """``loss_fn(model(*example_inputs))`` as a function of flat primals (see FlatStep);
-    with ``output="activation"`` the function returns a pipeline stage's output
-    activation (``extract_output``).
-
-    Raises:
-        TypeError: ``example_inputs`` is not a Tensor, tuple / list or dict.
-        ValueError: ``output`` is not one of ``OUTPUTS``.
-    """
-    if output not in OUTPUTS:
-        raise ValueError(f"output={output!r} is not one of {OUTPUTS}")
-    args, kwargs = _split_inputs(example_inputs)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    originals = [*params.values(), *buffers.values()]
-    flat_inputs: list[torch.Tensor] = []
-    labels: list[str] = []
-
-    def _collect(x: Any, label: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            flat_inputs.append(x)
-            labels.append(label)
-            return ("__tensor__", len(flat_inputs) - 1)
-        return x
-
-    arg_spec = [_collect(a, f"input[{i}]") for i, a in enumerate(args)]
-    kwarg_spec = {k: _collect(v, f"input[{k}]") for k, v in kwargs.items()}
-    n_p, n_b = len(params), len(buffers)
-
-    def _fill(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
-        if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__":
-            return tensors[spec[1]]
-        return spec
-
-    def step(*flat: torch.Tensor) -> torch.Tensor:
-        ins = flat[n_p + n_b :]
-        a = tuple(_fill(s, ins) for s in arg_spec)
-        k = {key: _fill(s, ins) for key, s in kwarg_spec.items()}
-        bound = {id(t): v for t, v in zip(originals, flat)}
-        with record_module_stack(model), bind_tensors(model, bound):
-            out = model(*a, **k)
-        return extract_output(out, loss_fn, output)
-
-    return FlatStep(
-        fn=step,
-        primal_values=[*params.values(), *buffers.values(), *flat_inputs],
-        primal_kinds=["param"] * n_p + ["buffer"] * n_b + ["input"] * len(flat_inputs),
-        primal_labels=[*params, *buffers, *labels],
-        arg_spec=arg_spec,
-        kwarg_spec=kwarg_spec,
-        num_params_buffers=n_p + n_b,
-    )
-
-
 def trace_joint(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -422,20 +196,13 @@ def trace_joint(
     """
     flat = flatten_step(model, example_inputs, loss_fn, output)
     refuse_meta_tensors(flat)
-    trace_values: list[Any] = list(flat.primal_values)
-    dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
-    shape_env = None
-    if symbols:
-        dynamic, dims_of_symbol = dynamic_dims(symbols, flat)
-        shape_env = ShapeEnv()
-        mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-        trace_values = _symbolic_fakes(mode, flat.primal_values, dynamic)
+    trace_values, dims_of_symbol, shape_env = symbolic_trace_values(flat, symbols)
     fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
     try:
         joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=bool(symbols))
     except UnsupportedGraph as e:
         if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
-            _explain_untraceable(flat.fn, flat.primal_values, e)
+            explain_untraceable(flat.fn, flat.primal_values, e)
         raise
     return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
                        fake=fake, output=output, tangent_values=tangent_values)
@@ -505,7 +272,7 @@ def joint_graph(
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
     tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
-    named_symbols = _named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
+    symbols = named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
     values, kinds, labels = flatten_primals(values, flat.primal_kinds, flat.primal_labels)
     if len(primals) != len(values):
         raise UnsupportedGraph(
@@ -533,7 +300,7 @@ def joint_graph(
         primal_labels=labels,
         tangent_values=tangent_values,
         model=model,
-        symbols=named_symbols,
+        symbols=symbols,
         shape_env=shape_env,
         fake=fake,
         output=output,
@@ -570,7 +337,7 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
         context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
-        with fx_traceback.preserve_node_meta(), context, _fake_tensor_log_quiet():
+        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log():
             compiled(*trace_values)
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs
@@ -590,123 +357,6 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
             "backward) must be replaced or kept outside the traced model."
         ) from e
     raise RematError("AOTAutograd produced no joint graph: no parameter or input requires grad")
-
-
-@contextlib.contextmanager
-def _fake_tensor_log_quiet() -> Iterator[None]:
-    """Keep FakeTensorMode's own log of a failing meta function (a 20-line traceback on
-    stderr) out of the output while tracing: the error is raised to the caller, with
-    its cause, as an UnsupportedGraph."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-TRACE_FIXES = {
-    "aten._grouped_mm": (
-        "transformers' mixture-of-experts layers call it by default "
-        "(config._experts_implementation = 'grouped_mm'), and its meta function accepts only "
-        "bfloat16 here; build the model with config._experts_implementation = 'batched_mm' "
-        "(or 'eager'), or trace it in bfloat16"
-    ),
-}
-"""Ops that run eagerly but whose meta (shape) function refuses the inputs, with the
-fix to name (op overload packet -> what to do)."""
-
-
-class _FakeCheck(TorchDispatchMode):
-    """Runs every op eagerly and again on fake copies of its inputs; keeps the first op
-    whose fake run (its meta function, which tracing uses) fails: ``(op, error)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed: tuple[Any, BaseException] | None = None
-        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.failed is None:
-            try:
-                fake_args, fake_kwargs = tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
-                with self.fake:
-                    func(*fake_args, **fake_kwargs)
-            except Exception as e:  # noqa: BLE001 - any failure of the meta function is the finding
-                self.failed = (func, e)
-        return out
-
-
-def _explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequence[torch.Tensor],
-                         error: UnsupportedGraph) -> None:
-    """Find the op that made tracing fail and raise an UnsupportedGraph naming it.
-
-    The step is run eagerly once (forward and backward, parameter ``.grad`` restored)
-    with every op also run on fake tensors; the first op that runs eagerly but not on
-    fake tensors is the one tracing cannot pass. Returns without raising when every op
-    passes (the error is elsewhere) or the eager step fails too.
-
-    Raises:
-        UnsupportedGraph: naming the op, its error, and the fix when ``TRACE_FIXES``
-            knows one; chained to the original error.
-    """
-    grads = [p.grad for p in primal_values]
-    check = _FakeCheck()
-    try:
-        with check, _fake_tensor_log_quiet():
-            step(*primal_values).backward()
-    except Exception:  # noqa: BLE001 - the step fails eagerly too: the original error stands
-        return
-    finally:
-        for p, g in zip(primal_values, grads):
-            p.grad = g
-    if check.failed is None:
-        return
-    op, cause = check.failed
-    packet = str(op.overloadpacket) if hasattr(op, "overloadpacket") else str(op)
-    fix = TRACE_FIXES.get(packet, "")
-    raise UnsupportedGraph(
-        f"{op} runs eagerly on these inputs but cannot be traced: its meta function, which "
-        f"AOTAutograd runs on fake tensors, fails ({type(cause).__name__}: {cause}). "
-        + (f"Fix: {fix}." if fix else
-           "Keep that op outside the traced model, or use inputs (dtype, device) its meta function accepts.")
-    ) from error.__cause__
-
-
-def flatten_primals(values: Sequence[Any], kinds: Sequence[str],
-                    labels: Sequence[str]) -> tuple[list[Any], list[str], list[str]]:
-    """Flatten tensor-subclass values as AOTAutograd flattens its inputs.
-
-    A traceable wrapper subclass (``DTensor``) becomes the values of the attributes its
-    ``__tensor_flatten__`` names, in that order and recursively: inner tensors keep the
-    kind of the value; other attributes (the ``DeviceMesh``) get kind ``"opaque"``.
-    Plain tensors pass through.
-
-    Returns:
-        ``(values, kinds, labels)`` with one entry per joint-graph primal.
-    """
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    out_v: list[Any] = []
-    out_k: list[str] = []
-    out_l: list[str] = []
-
-    def visit(v: Any, kind: str, label: str) -> None:
-        if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
-            attrs, _ = v.__tensor_flatten__()
-            for i, attr in enumerate(attrs):
-                visit(getattr(v, attr), kind, label if i == 0 else f"{label}.{attr}")
-        elif isinstance(v, torch.Tensor):
-            out_v.append(v), out_k.append(kind), out_l.append(label)
-        else:
-            out_v.append(v), out_k.append("opaque"), out_l.append(label)
-
-    for v, k, lab in zip(values, kinds, labels):
-        visit(v, k, lab)
-    return out_v, out_k, out_l
 
 
 def _drop_opaque_gradients(joint: fx.GraphModule, kinds: Sequence[str], num_fwd_outputs: int) -> None:
@@ -747,97 +397,3 @@ def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str],
         else:
             out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
     return out
-
-
-def _named_symbols(dims_of_symbol: Mapping[str, list[tuple[int, int]]], trace_values: Sequence[Any],
-                   shape_env: Any, primal_labels: Sequence[str]) -> dict[str, Any]:
-    """The user's name of each symbol -> the sympy Symbols AOTAutograd used for it.
-
-    Raises:
-        UnsupportedGraph: the trace specialized a named size to one value.
-    """
-    named: dict[str, Any] = {}
-    for name, dims in dims_of_symbol.items():
-        exprs = []
-        for flat_index, dim in dims:
-            size = trace_values[flat_index].shape[dim]
-            expr = shape_env.replace(size.node.expr) if isinstance(size, torch.SymInt) else size
-            if not getattr(expr, "is_Symbol", False):
-                raise UnsupportedGraph(
-                    f"the traced step specializes symbol {name!r} (input dimension "
-                    f"{(primal_labels[flat_index], dim)}) to {expr}: the model branches on "
-                    "that size, so its graph holds only for that value; trace it with "
-                    "concrete shapes"
-                )
-            if expr not in exprs:
-                exprs.append(expr)
-        named[name] = tuple(exprs)
-    return named
-
-
-def dynamic_dims(symbols: Mapping[str, Any], flat: FlatStep) -> tuple[dict[int, set[int]], dict[str, list[tuple[int, int]]]]:
-    """The primal dimensions a symbolic trace makes dynamic.
-
-    Returns:
-        ``(flat index -> dynamic dims, name -> [(flat index, dim)])``.
-
-    Raises:
-        ValueError: an entry names no tensor input, no dimension of it, or a dimension
-            whose example size is below 2.
-    """
-    dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
-    dynamic: dict[int, set[int]] = {}
-    arg_spec, kwarg_spec = flat.arg_spec, flat.kwarg_spec
-    for name, entries in symbols.items():
-        if isinstance(entries, tuple) and len(entries) == 2 and isinstance(entries[1], int):
-            entries = [entries]
-        dims_of_symbol[name] = []
-        for key, dim in entries:
-            spec = arg_spec[key] if isinstance(key, int) and 0 <= key < len(arg_spec) else (
-                kwarg_spec.get(key) if isinstance(key, str) else None
-            )
-            if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "__tensor__"):
-                raise ValueError(
-                    f"symbol {name!r}: {key!r} is not a tensor input; tensor inputs are "
-                    f"positions {[i for i, a in enumerate(arg_spec) if isinstance(a, tuple)]} "
-                    f"and keywords {[k for k, a in kwarg_spec.items() if isinstance(a, tuple)]}"
-                )
-            flat_index = flat.num_params_buffers + spec[1]
-            value = flat.primal_values[flat_index]
-            if not 0 <= dim < value.dim():
-                raise ValueError(
-                    f"symbol {name!r}: input {key!r} has {value.dim()} dimensions, no dimension {dim}"
-                )
-            if value.shape[dim] < 2:
-                raise ValueError(
-                    f"symbol {name!r}: the example size of input {key!r} dimension {dim} is "
-                    f"{value.shape[dim]}; symbolic sizes need an example size >= 2"
-                )
-            dims_of_symbol[name].append((flat_index, dim))
-            dynamic.setdefault(flat_index, set()).add(dim)
-    return dynamic, dims_of_symbol
-
-
-def symbolic_context(value: torch.Tensor, dims: set[int]) -> StatelessSymbolicContext:
-    """The context that makes dimensions ``dims`` of ``value`` fresh symbols."""
-    return StatelessSymbolicContext(
-        dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
-    )
-
-
-def _symbolic_fakes(mode: FakeTensorMode, primal_values: Sequence[torch.Tensor],
-                    dynamic: Mapping[int, set[int]]) -> list[Any]:
-    """Fake primals for a symbolic trace: parameters and buffers static, the named input
-    dimensions dynamic (one fresh symbol each; AOTAutograd's guards unify the dimensions
-    of one name)."""
-    fakes: list[Any] = []
-    memo: dict[int, Any] = {}
-    for i, v in enumerate(primal_values):
-        if i in dynamic:
-            fake = memo[id(v)] if id(v) in memo else mode.from_tensor(
-                v, symbolic_context=symbolic_context(v, dynamic[i]))
-        else:
-            fake = mode.from_tensor(v, static_shapes=True)
-        memo.setdefault(id(v), fake)
-        fakes.append(fake)
-    return fakes

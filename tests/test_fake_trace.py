@@ -126,7 +126,8 @@ def test_a_joint_graph_without_gradients_is_refused():
     """Negative control, the bug of issue 11 replayed: fakes on device meta (what
     AOTAutograd made of meta parameters) lose the backward of ``nll_loss``; the joint
     graph comes out without any gradient and is refused, never returned."""
-    from remat_pass.trace import capture_joint, flatten_step, joint_graph
+    from remat_pass.flat_step import flatten_step
+    from remat_pass.trace import capture_joint, joint_graph
 
     _, _, meta, meta_inputs = real_and_meta("gpt2", 1)
     flat = flatten_step(meta, meta_inputs, None)

@@ -21,7 +21,7 @@ from remat_pass.errors import InvalidSchedule, LayerStackNotFound, RematError, U
 from remat_pass.planner import Planner
 from remat_pass.regions import find_layer_stacks
 from remat_pass.sweep import Session
-from remat_pass.symbolic import SizeConverter
+from remat_pass.symbolic_sizes import SizeConverter
 from solvers import least_recompute, model_peak, pareto_front
 
 from test_solvers import all_groupings, random_costs
