@@ -1,6 +1,6 @@
 """Op scratch: predicted vs measured peaks with calibration and with the formula table only.
 
-For every model of the test zoo (``tests/zoo.py``) that traces, and the shipped models
+For every model of the test zoo (``tests/zoo/``) that traces, and the shipped models
 (``remat_pass.models``: TinyGPT, the Linear chain, GPT-2), under every distinct
 Megatron schedule, prints the measured peak next to two predictions:
 

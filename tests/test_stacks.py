@@ -25,7 +25,8 @@ from remat_pass.symbolic_sizes import SizeConverter
 from solvers import least_recompute, model_peak, pareto_front
 
 from test_solvers import all_groupings, random_costs
-from zoo import EncDec, x
+from zoo.common import x
+from zoo.dataflow import EncDec
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1

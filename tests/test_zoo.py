@@ -8,7 +8,9 @@ import torch
 from remat_pass import schedule as schedules
 from remat_pass.errors import InvalidSchedule, RematError
 from remat_pass.sweep import Session
-from zoo import SDPA, ZOO, ZooEntry, stack, x
+from zoo import ZOO
+from zoo.common import ZooEntry, stack, x
+from zoo.ops import SDPA
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
