@@ -105,7 +105,8 @@ from .inductor_hooks import capture_inner_compile
 from .inductor_memory import code_liveness
 from .graph_schedule import GraphScheduler
 from .inspection import dump_step
-from .liveness import analyze, storage_bytes
+from .intervals import storage_bytes
+from .liveness import analyze
 from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
 from .report import write_report
 from .partition import Partition

@@ -46,16 +46,8 @@ from solvers.poly import Poly
 from . import schedule as schedules
 from .costs import node_flops, tensor_val
 from .errors import UnsupportedGraph
-from .liveness import (
-    Intervals,
-    LiveTensor,
-    MemoryReport,
-    Storage,
-    TimelineStep,
-    live_timeline,
-    memory_intervals,
-    storage_bytes,
-)
+from .intervals import Intervals, Storage, memory_intervals, storage_bytes
+from .liveness import LiveTensor, MemoryReport, TimelineStep, live_timeline
 from .memory_model import MemoryModel
 from .regions import LayerStack
 from .rewrite import rewrite

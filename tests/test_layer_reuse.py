@@ -11,6 +11,7 @@ import torch
 
 from remat_pass import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
+from remat_pass.intervals import memory_intervals
 from remat_pass.layer_reuse import (
     ReusedLayers,
     ReusedLayersModel,
@@ -21,7 +22,7 @@ from remat_pass.layer_reuse import (
     template_role_strings,
     valid_roles,
 )
-from remat_pass.liveness import analyze, live_timeline, memory_intervals
+from remat_pass.liveness import analyze, live_timeline
 from remat_pass.memory_model import MemoryModel
 from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite
