@@ -12,9 +12,8 @@ import torch
 from remat_pass import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
 from remat_pass.intervals import memory_intervals
-from remat_pass.layer_reuse import (
-    ReusedLayers,
-    ReusedLayersModel,
+from remat_pass.layer_reuse import ReusedLayers, ReusedLayersModel
+from remat_pass.layer_roles import (
     block_order,
     requirements,
     roles_of,
