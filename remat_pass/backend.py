@@ -107,7 +107,8 @@ from .graph_schedule import GraphScheduler
 from .inspection import dump_step
 from .intervals import storage_bytes
 from .liveness import analyze
-from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
+from .module_paths import find_layer_stack_in_graph
+from .regions import LayerStack, assign_layers_to_graph, forward_node_names
 from .report import write_report
 from .partition import Partition
 from .rewrite import RewrittenStep, rewrite

@@ -18,7 +18,7 @@ STAGES = [
     "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.cuda_target",
     "remat_pass.static_memory", "remat_pass.op_signature",
     "remat_pass.scratch_table", "remat_pass.memory_model", "remat_pass.trace", "remat_pass.fake_trace",
-    "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
+    "remat_pass.module_paths", "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
     "remat_pass.intervals", "remat_pass.liveness", "remat_pass.step_composition", "remat_pass.step_flow", "remat_pass.measure", "remat_pass.calibration", "remat_pass.sweep", "remat_pass.symbolic",
     "remat_pass.layer_roles", "remat_pass.layer_template", "remat_pass.layer_reuse", "remat_pass.planner", "remat_pass.step_planning", "remat_pass.op_planner", "remat_pass.step_op_planning",
     "remat_pass.report",
