@@ -105,8 +105,10 @@ from .inductor_hooks import capture_inner_compile
 from .inductor_memory import code_liveness
 from .graph_schedule import GraphScheduler
 from .inspection import dump_step
-from .liveness import analyze, storage_bytes
-from .regions import LayerStack, assign_layers_to_graph, find_layer_stack_in_graph, forward_node_names
+from .intervals import storage_bytes
+from .liveness import analyze
+from .module_paths import find_layer_stack_in_graph
+from .regions import LayerStack, assign_layers_to_graph, forward_node_names
 from .report import write_report
 from .partition import Partition
 from .rewrite import RewrittenStep, rewrite

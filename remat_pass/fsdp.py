@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .liveness import Storage, live_timeline, memory_intervals
+from .intervals import Storage, memory_intervals
+from .liveness import live_timeline
 from .memory_model import MemoryModel
 from .rewrite import RewrittenStep
 

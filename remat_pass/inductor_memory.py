@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import sympy
 import torch
 
-from .liveness import Storage
+from .intervals import Storage
 from .step_flow import GraphLiveness
 
 DTYPE_BYTES = {

@@ -32,13 +32,8 @@ import torch.fx as fx
 
 from .costs import node_flops
 from .formatting import fmt_bytes, natural_key, text_table
-from .liveness import (
-    Intervals,
-    MemoryReport,
-    Storage,
-    live_timeline,
-    memory_intervals,
-)
+from .intervals import Intervals, Storage, memory_intervals
+from .liveness import MemoryReport, live_timeline
 from .memory_model import MemoryModel
 from .report import report_json, schema_error, validation_message
 from .rewrite import RewrittenStep

@@ -18,11 +18,11 @@ j-1 and j+1, by the outer blocks (when j is the first or last layer), or at the 
 the step (gradients); where it is read depends only on the roles of j and of the
 neighbour. An outer storage is read by the blocks of every layer, where depending on
 that layer's role and on whether it is the first or the last. So one table, collected
-from a few rewrites of a template of ``TEMPLATE_LAYERS`` layers whose schedules together
-show every (role, neighbour's role) pair the L-layer schedule has, gives every
-storage's interval in the L-layer step, and ``liveness.live_timeline`` (the one sweep)
-gives the exact timeline and peak. Nothing of size L is traced or rewritten: the
-Llama-2-70B stack (80 layers) costs the trace of 4 layers and a few rewrites of it.
+from a few rewrites of a template of ``layer_roles.TEMPLATE_LAYERS`` layers whose
+schedules together show every (role, neighbour's role) pair the L-layer schedule has,
+gives every storage's interval in the L-layer step, and ``liveness.live_timeline`` (the
+one sweep) gives the exact timeline and peak. Nothing of size L is traced or rewritten:
+the Llama-2-70B stack (80 layers) costs the trace of 4 layers and a few rewrites of it.
 
 Every assumption is checked, not trusted: the template's blocks of one role must have
 the same ops and storages in every layer and schedule, every read must be of the layer
@@ -36,255 +36,25 @@ blocks) raises ``UnsupportedGraph``; analyse it in full instead.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch.fx as fx
 
 from solvers.poly import Poly
 
 from . import schedule as schedules
-from .costs import node_flops, tensor_val
+from .costs import tensor_val
 from .errors import UnsupportedGraph
-from .liveness import (
-    Intervals,
-    LiveTensor,
-    MemoryReport,
-    Storage,
-    TimelineStep,
-    live_timeline,
-    memory_intervals,
-    storage_bytes,
-)
-from .memory_model import MemoryModel
+from .intervals import Intervals, Storage, storage_bytes
+from .layer_roles import block_order, block_type, requirements, roles_of, template_role_strings
+from .layer_template import BlockType, Template
+from .liveness import LiveTensor, MemoryReport, TimelineStep, bytes_by_layer, live_timeline
 from .regions import LayerStack
-from .rewrite import rewrite
 from .schedule import Schedule
 from .static_memory import StaticTensor
 from .symbolic import SymbolicModel, SymbolicStep
 from .symbolic_sizes import SizeConverter
 from .trace import JointGraph
-
-ROLES = ("S", "G1", "F", "M", "E")
-TEMPLATE_LAYERS = 4
-OUTER_BLOCKS = ("pre", "head_fw", "head_bw", "post")
-_FOLLOWS = {"S": ("S", "G1", "F"), "G1": ("S", "G1", "F"), "E": ("S", "G1", "F"), "F": ("M", "E"), "M": ("M", "E")}
-
-
-def roles_of(schedule: Schedule) -> tuple[str, ...]:
-    """The role of every layer under ``schedule``: ``S`` stored, ``G1`` a group of one,
-    ``F`` / ``M`` / ``E`` first / middle / last of a larger group.
-
-    Example:
-        >>> roles_of(schedules.uniform(3, 7))
-        ('F', 'M', 'E', 'F', 'M', 'E', 'G1')
-    """
-    roles = ["S"] * schedule.num_layers
-    for g in schedule.groups:
-        if len(g) == 1:
-            roles[g[0]] = "G1"
-        else:
-            roles[g[0]], roles[g[-1]] = "F", "E"
-            for i in g[1:-1]:
-                roles[i] = "M"
-    return tuple(roles)
-
-
-def schedule_of_roles(roles: Sequence[str]) -> Schedule:
-    """The (optimized) Schedule whose ``roles_of`` is ``roles``.
-
-    Raises:
-        ValueError: ``roles`` is not a valid role string (``F`` not followed by ``M`` /
-            ``E``, a group left open).
-    """
-    if not valid_roles(roles):
-        raise ValueError(f"{''.join(roles)} is not a valid role string")
-    groups, current = [], []
-    for i, r in enumerate(roles):
-        if r == "G1":
-            groups.append((i,))
-        elif r in ("F", "M"):
-            current.append(i)
-        elif r == "E":
-            groups.append((*current, i))
-            current = []
-    return schedules.optimized(tuple(groups), len(roles))
-
-
-def valid_roles(roles: Sequence[str]) -> bool:
-    """Whether ``roles`` is the role string of some schedule."""
-    if not roles or roles[0] in ("M", "E") or roles[-1] in ("F", "M"):
-        return False
-    return all(b in _FOLLOWS[a] for a, b in zip(roles, roles[1:]))
-
-
-def requirements(roles: Sequence[str]) -> set[tuple]:
-    """What a role string needs from the templates: every adjacent (role, role) pair and
-    every (role, is first, is last)."""
-    n = len(roles)
-    need: set[tuple] = {("pair", a, b) for a, b in zip(roles, roles[1:])}
-    need |= {("single", r, i == 0, i == n - 1) for i, r in enumerate(roles)}
-    return need
-
-
-def template_role_strings(needed: set[tuple], length: int = TEMPLATE_LAYERS) -> list[tuple[str, ...]]:
-    """Role strings of ``length`` layers that together cover ``needed`` (greedy set
-    cover over every valid string, ties broken by the strings' order).
-
-    Raises:
-        UnsupportedGraph: something needed is in no valid string of that length.
-    """
-    candidates = [c for c in itertools.product(ROLES, repeat=length) if valid_roles(c)]
-    left = set(needed)
-    chosen: list[tuple[str, ...]] = []
-    while left:
-        best = max(candidates, key=lambda c: len(requirements(c) & left))
-        gain = requirements(best) & left
-        if not gain:
-            raise UnsupportedGraph(f"no template of {length} layers shows {sorted(left)}")
-        chosen.append(best)
-        left -= gain
-    return chosen
-
-
-# --------------------------------------------------------------------------- template tables
-
-
-@dataclasses.dataclass
-class _BlockType:
-    """One kind of block: its steps (template nodes), FLOPs, and the storages it
-    allocates, as ``(offset, bytes, category)`` in a fixed order."""
-
-    phase: str
-    nodes: list[fx.Node]
-    flops: int
-    storages: list[tuple[int, Any, str]]
-
-
-def _owner_layer_key(kind: str, role: str, part: int) -> tuple:
-    return (kind, role, part)
-
-
-class _Template:
-    """One rewrite of the template, cut into blocks, with every storage's reads."""
-
-    def __init__(self, joint: JointGraph, stack: LayerStack, roles: tuple[str, ...], allocator: str):
-        self.roles = roles
-        self.step = rewrite(joint, stack, schedule_of_roles(roles))
-        # the formula table of op scratch, as ``analyze`` counts a step without weights
-        self.iv = memory_intervals(self.step, MemoryModel.table_only(allocator))[0]
-        self.nf = len(self.iv.fw_steps)
-        self.block_of_step: list[Any] = []
-        self.offset_of_step: list[int] = []
-        self.blocks: dict[Any, list[int]] = {}
-        self._cut()
-        self.reads, self.to_end = self._reads()
-
-    def step_phase(self, i: int) -> str:
-        """``"forward"`` or ``"backward"``: the graph step ``i`` belongs to."""
-        return "forward" if i < self.nf else "backward"
-
-    def _cut(self) -> None:
-        """The block of every step (``block_order``'s names), checked against that order."""
-        step, steps = self.step, self.iv.steps
-        seen_layer = {"forward": False, "backward": False}
-        recomputed: set[int] = set()
-        current: Any = None
-        for i, n in enumerate(steps):
-            phase = "forward" if i < self.nf else "backward"
-            layer = step.layer_of.get(n.name)
-            if layer is None:
-                block: Any = {("forward", False): "pre", ("forward", True): "head_fw",
-                              ("backward", False): "head_bw", ("backward", True): "post"}[(phase, seen_layer[phase])]
-            else:
-                seen_layer[phase] = True
-                kind = step.kind_of.get(n.name, "forward")
-                if kind == "recompute":
-                    recomputed.add(layer)
-                block = (kind, layer, 1 if kind == "backward" and layer in recomputed else 0)
-            if block != current and block in self.blocks:
-                raise UnsupportedGraph(f"the rewritten template runs block {block} in two pieces (outer ops "
-                                       "between layer blocks?): layer reuse does not apply to this model")
-            current = block
-            self.blocks.setdefault(block, []).append(i)
-            self.block_of_step.append(block)
-            self.offset_of_step.append(len(self.blocks[block]) - 1)
-        actual = list(self.blocks)
-        expected = [b for b in block_order(self.roles) if b in self.blocks]
-        if actual != expected or any(b not in self.blocks for b in block_order(self.roles)
-                                     if isinstance(b, tuple) and b[0] == "forward"):
-            raise UnsupportedGraph(f"the rewritten template runs its blocks as {actual}, not in the order "
-                                   f"{expected}: layer reuse does not apply to this model")
-
-    def _reads(self) -> tuple[dict[int, set[int]], set[int]]:
-        """The steps that read each non-static storage, and the storages live to the end
-        of the step (the loss, the gradients); checked against ``live_intervals``."""
-        iv = self.iv
-        reads: dict[int, set[int]] = {}
-
-        def sids(x: Any) -> Iterable[int]:
-            if isinstance(x, int):
-                yield x
-            elif isinstance(x, list):
-                for e in x:
-                    yield from sids(e)
-
-        for i, n in enumerate(iv.steps):
-            for a in n.all_input_nodes:
-                for s in sids(iv.sid_of.get(a)):
-                    reads.setdefault(s, set()).add(i)
-        to_end = {sid for sid, st in enumerate(iv.storages) if st.kind in ("gradient", "output")}
-        end = len(iv.steps) - 1
-        saved = set(sids(iv.saved_sids))
-        for sid, st in enumerate(iv.storages):
-            if st.static:
-                continue
-            read = reads.get(sid, set())
-            if sid in saved and not any(r >= self.nf for r in read):
-                raise UnsupportedGraph(f"{st.name} is saved for backward but backward never reads it: "
-                                       "layer reuse cannot follow it")
-            # forward returns the saved values at its last step; backward reads them later
-            last = end if sid in to_end else max(read | {st.first} | ({self.nf - 1} if sid in saved else set()))
-            if last != st.last:
-                raise UnsupportedGraph(f"storage of {st.name} is live to step {st.last} but read last at {last}: "
-                                       "layer reuse cannot follow it")
-        return reads, to_end
-
-
-def block_order(roles: Sequence[str]) -> list[Any]:
-    """The blocks of a rewritten step in run order (module docstring): outer names and
-    ``(kind, layer, part)``; a backward block has part 1 once its layer was recomputed.
-
-    Example:
-        >>> block_order(("G1", "S"))[4:]
-        ['head_bw', ('backward', 1, 0), ('backward', 0, 0), ('recompute', 0, 0), ('backward', 0, 1), 'post']
-    """
-    L = len(roles)
-    out: list[Any] = ["pre", *[("forward", j, 0) for j in range(L)], "head_fw", "head_bw"]
-    for j in range(L - 1, -1, -1):
-        if roles[j] in ("G1", "E"):
-            lo = j
-            while roles[lo] not in ("G1", "F"):
-                lo -= 1
-            out += [("backward", j, 0), *[("recompute", i, 0) for i in range(lo, j + 1)], ("backward", j, 1)]
-        else:
-            out.append(("backward", j, 1 if roles[j] in ("F", "M") else 0))
-    out.append("post")
-    return out
-
-
-def _block_type(block: Any, roles: Sequence[str]) -> Any:
-    """``(kind, role, part)`` of a layer block, the name of an outer one."""
-    return block if isinstance(block, str) else (block[0], roles[block[1]], block[2])
-
-
-def _op_signature(n: fx.Node) -> tuple:
-    """What must agree between two blocks of one kind: the op (a get_attr constant by
-    its shape and dtype, since each layer has its own attribute)."""
-    if n.op == "get_attr":
-        val = n.meta.get("val")
-        return ("get_attr", tuple(getattr(val, "shape", ())), str(getattr(val, "dtype", "")))
-    return (n.op, str(n.target))
 
 
 @dataclasses.dataclass
@@ -313,7 +83,7 @@ class ReusedLayers:
     rewrites of a template of the same model with fewer layers (module docstring).
 
     Args:
-        template: the traced step of the model with ``TEMPLATE_LAYERS`` (or more) layers.
+        template: the traced step of the model with ``layer_roles.TEMPLATE_LAYERS`` (or more) layers.
         stack: its layer stack.
         num_layers: L, the layers of the model to analyse.
         allocator: ``"cpu"`` or ``"cuda"`` (as ``liveness.analyze``).
@@ -327,12 +97,12 @@ class ReusedLayers:
         if stack.num_layers < 3:
             raise UnsupportedGraph(f"a template needs 3 or more layers, this one has {stack.num_layers}")
         self.template, self.stack, self.num_layers, self.allocator = template, stack, num_layers, allocator
-        self.block_types: dict[Any, _BlockType] = {}
+        self.block_types: dict[Any, BlockType] = {}
         self.layer_reads: dict[tuple, dict[tuple, dict[Any, int]]] = {}
         self.outer_reads: dict[tuple, dict[tuple, dict[Any, int]]] = {}
         self.to_end: dict[tuple, bool] = {}
         self.covered: set[tuple] = set()
-        self.templates: dict[tuple[str, ...], _Template] = {}
+        self.templates: dict[tuple[str, ...], Template] = {}
         self._static: tuple[int, int, int] | None = None
         self._plans: dict[tuple, list[tuple]] = {}
 
@@ -345,7 +115,7 @@ class ReusedLayers:
             for t_roles in template_role_strings(need, self.stack.num_layers):
                 self.add_template(t_roles)
 
-    def add_template(self, roles: Sequence[str]) -> "_Template":
+    def add_template(self, roles: Sequence[str]) -> Template:
         """Rewrite the template under the schedule of ``roles`` and add what it shows.
 
         Raises:
@@ -354,18 +124,14 @@ class ReusedLayers:
         roles = tuple(roles)
         if roles in self.templates:
             return self.templates[roles]
-        t = _Template(self.template, self.stack, roles, self.allocator)
-        owned = self._owned(t)
-        for block, idx in t.blocks.items():
-            btype = _block_type(block, roles)
+        t = Template(self.template, self.stack, roles, self.allocator)
+        owned = t.owned()
+        for block in t.blocks:
+            btype = block_type(block, roles)
             sids = owned.get(block, [])
-            sig = _BlockType(t.step_phase(idx[0]), [t.iv.steps[i] for i in idx],
-                             sum(int(node_flops(t.iv.steps[i])) for i in idx),
-                             [(t.offset_of_step[t.iv.storages[s].first], t.iv.storages[s].nbytes,
-                               t.iv.storages[s].kind == "scratch") for s in sids])
+            sig = t.block_type(block, sids)
             known = self.block_types.setdefault(btype, sig)
-            if known is not sig and ([_op_signature(n) for n in known.nodes] != [_op_signature(n) for n in sig.nodes]
-                                     or known.storages != sig.storages):
+            if known is not sig and not known.matches(sig):
                 raise UnsupportedGraph(f"two {btype} blocks of the template differ: the layers are not identical")
             for ordinal, sid in enumerate(sids):
                 self._record(t, block, btype, ordinal, sid)
@@ -373,51 +139,17 @@ class ReusedLayers:
         self.covered |= requirements(roles)
         return t
 
-    @staticmethod
-    def _owned(t: "_Template") -> dict[Any, list[int]]:
-        """The non-static storages each block allocates, in a fixed order."""
-        owned: dict[Any, list[int]] = {}
-        for sid, st in enumerate(t.iv.storages):
-            if not st.static:
-                owned.setdefault(t.block_of_step[st.first], []).append(sid)
-        for sids in owned.values():
-            sids.sort(key=lambda s: (t.iv.storages[s].first, t.iv.storages[s].kind == "scratch", s))
-        return owned
+    def _record(self, t: Template, block: Any, btype: Any, ordinal: int, sid: int) -> None:
+        """Add the reads of one storage of ``t`` to the tables, by context.
 
-    def _record(self, t: "_Template", block: Any, btype: Any, ordinal: int, sid: int) -> None:
-        """Add the reads of one storage of ``t`` to the tables, by context."""
-        L = len(t.roles)
-        seen: dict[tuple, dict[Any, int]] = {}
-        if isinstance(block, str):
-            table, key = self.outer_reads, (btype, ordinal)
-            seen[("outer",)] = {}
-            for b in range(L):
-                seen[("layer", t.roles[b], b == 0, b == L - 1)] = {}
-        else:
-            table, key = self.layer_reads, (btype, ordinal)
-            b = block[1]
-            seen[("self",)] = {}
-            seen[("outer", b == 0, b == L - 1)] = {}
-            if b > 0:
-                seen[("prev", t.roles[b - 1])] = {}
-            if b < L - 1:
-                seen[("next", t.roles[b + 1])] = {}
-        for r in t.reads.get(sid, ()):
-            rb, off = t.block_of_step[r], t.offset_of_step[r]
-            if isinstance(rb, str):
-                ctx: tuple = ("outer",) if isinstance(block, str) else ("outer", block[1] == 0, block[1] == L - 1)
-                ref: Any = rb
-            elif isinstance(block, str):
-                ctx, ref = ("layer", t.roles[rb[1]], rb[1] == 0, rb[1] == L - 1), (rb[0], rb[2])
-            else:
-                delta = rb[1] - block[1]
-                if abs(delta) > 1:
-                    raise UnsupportedGraph(f"a value of layer {block[1]} is read by layer {rb[1]}: layer reuse "
-                                           "needs each layer to read only its neighbours")
-                ctx = ("self",) if delta == 0 else ("prev" if delta < 0 else "next", t.roles[rb[1]])
-                ref = (rb[0], rb[2])
-            reads = seen[ctx]
-            reads[ref] = max(reads.get(ref, -1), off)
+        Raises:
+            UnsupportedGraph: a layer reads a value of a layer that is not its neighbour
+                (``Template.storage_reads``), or the reads, or whether it lives to the end,
+                differ from an earlier template's.
+        """
+        table = self.outer_reads if isinstance(block, str) else self.layer_reads
+        key = (btype, ordinal)
+        seen = t.storage_reads(block, sid)
         entry = table.setdefault(key, {})
         for ctx, reads in seen.items():
             if entry.setdefault(ctx, reads) != reads:
@@ -442,7 +174,7 @@ class ReusedLayers:
         order, start, steps, block_of_step = [], {}, [], []
         nf = 0
         for b in block_order(roles):
-            bt = self.block_types.get(_block_type(b, roles))
+            bt = self.block_types.get(block_type(b, roles))
             if bt is None or not bt.nodes:
                 continue
             order.append(b)
@@ -455,7 +187,7 @@ class ReusedLayers:
 
     def intervals(self, schedule: Schedule) -> tuple[Intervals, Layout]:
         """The L-layer step's storages and their live intervals (as
-        ``liveness.live_intervals`` would give for the full rewrite), and its layout.
+        ``intervals.live_intervals`` would give for the full rewrite), and its layout.
 
         Raises:
             UnsupportedGraph: a read the templates did not cover (a bug: ``ensure`` makes
@@ -466,7 +198,7 @@ class ReusedLayers:
         end, nf = len(lay.steps) - 1, lay.num_forward_steps
         storages: list[Storage] = []
         for b in lay.order:
-            btype = _block_type(b, roles)
+            btype = block_type(b, roles)
             if isinstance(b, str):
                 plan, j, resolve = self._outer_plan(btype, roles), None, None
             else:
@@ -543,7 +275,7 @@ class ReusedLayers:
         return entry[ctx]
 
     @staticmethod
-    def _label(bt: _BlockType, btype: Any, is_scratch: bool, to_end: bool) -> str | None:
+    def _label(bt: BlockType, btype: Any, is_scratch: bool, to_end: bool) -> str | None:
         """The storage's kind as ``liveness`` names it; None for a forward storage, which
         is "saved" when backward reads it and "forward" otherwise."""
         if is_scratch:
@@ -571,10 +303,6 @@ class ReusedLayers:
         at_peak = sorted((LiveTensor(s.name, s.layer, s.nbytes, s.kind) for s in iv.storages
                           if s.kind != "scratch" and s.nbytes and s.first <= peak_step <= s.last),
                          key=lambda t: (-t.nbytes, t.name, -1 if t.layer is None else t.layer))
-        by_layer: dict[str, int] = {}
-        for t in at_peak:
-            k = "outer" if t.layer is None else str(t.layer)
-            by_layer[k] = by_layer.get(k, 0) + t.nbytes
         saved = tuple(LiveTensor(s.name, s.layer, s.nbytes, "saved") for s in iv.storages if s.kind == "saved")
         timeline: tuple[TimelineStep, ...] = ()
         if with_timeline:
@@ -583,7 +311,7 @@ class ReusedLayers:
                 for i, (n, b, v) in enumerate(zip(lay.steps, lay.block_of_step, live)))
         fw_flops = rc_flops = 0
         for b in lay.order:
-            bt = self.block_types[_block_type(b, lay.roles)]
+            bt = self.block_types[block_type(b, lay.roles)]
             if bt.phase == "forward":
                 fw_flops += bt.flops
             elif not isinstance(b, str) and b[0] == "recompute":
@@ -592,7 +320,7 @@ class ReusedLayers:
             schedule=schedule.provenance, allocator=self.allocator, peak_bytes=live[peak_step] if live else 0,
             peak_step=peak_step, peak_phase="forward" if peak_step < nf else "backward",
             peak_node=lay.steps[peak_step].name if live else "", peak_layer=peak_layer,
-            live_at_peak=tuple(at_peak), live_at_peak_by_layer=by_layer,
+            live_at_peak=tuple(at_peak), live_at_peak_by_layer=bytes_by_layer(at_peak),
             saved_activation_bytes=sum(t.nbytes for t in saved), saved=saved,
             static_bytes=self.static_bytes(), timeline=timeline,
             forward_flops=fw_flops, recompute_flops=rc_flops)
@@ -610,7 +338,7 @@ class ReusedLayers:
         fw: dict[int | None, Poly] = {}
         rc: dict[int | None, Poly] = {}
         for b in lay.order:
-            bt = self.block_types[_block_type(b, lay.roles)]
+            bt = self.block_types[block_type(b, lay.roles)]
             target = fw if bt.phase == "forward" else rc if not isinstance(b, str) and b[0] == "recompute" else None
             if target is not None and bt.flops:
                 target[_layer(b)] = target.get(_layer(b), Poly()) + Poly.constant(bt.flops, 0)
@@ -665,7 +393,7 @@ class ReusedLayers:
         constants = 0
         lay = self.layout(schedules.none(self.num_layers))
         for b in lay.order:
-            for n in self.block_types[_block_type(b, lay.roles)].nodes:
+            for n in self.block_types[block_type(b, lay.roles)].nodes:
                 if n.op == "get_attr" and tensor_val(n) is not None:
                     constants += storage_bytes(tensor_val(n), self.allocator)
         return by_layer.get(None, 0), layers.pop(), constants

@@ -48,7 +48,8 @@ from . import schedule as schedules
 from .costs import RNG_STATE_BYTES, bytes_moved, is_random, node_flops, same_storage, tensor_val
 from .errors import InvalidSchedule
 from .formatting import parse_bytes
-from .liveness import MemoryReport, storage_bytes
+from .intervals import storage_bytes
+from .liveness import MemoryReport
 from .partition import OpLevelChoice, Partition, op_level_partition
 from .regions import LayerStack
 from .rewrite import rewrite

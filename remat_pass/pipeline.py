@@ -37,7 +37,8 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from .errors import InvalidOption, RematError
-from .liveness import Intervals, live_timeline, memory_intervals
+from .intervals import Intervals, memory_intervals
+from .liveness import live_timeline
 from .memory_model import MemoryModel
 from .rewrite import RewrittenStep
 

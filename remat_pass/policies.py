@@ -47,8 +47,9 @@ import torch
 import torch.fx as fx
 
 from .errors import InvalidSchedule
+from .module_paths import normalize_module_path
 from .partition import OpLevelChoice, Partition, op_level_partition
-from .regions import LayerStack, normalize_module_path
+from .regions import LayerStack
 from .schedule import Schedule
 from .trace import JointGraph
 

@@ -44,7 +44,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from .liveness import Storage, live_timeline
+from .intervals import Storage
+from .liveness import live_timeline
 
 PHASE_KINDS = ("forward", "backward")
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .liveness import Storage, live_intervals
+from .intervals import Storage, live_intervals
 from .rewrite import RewrittenStep
 from .step_composition import Phase, Place, SpanTensor
 

@@ -43,7 +43,8 @@ from solvers.poly import Poly, max_value, pareto_max
 from . import schedule as schedules
 from .costs import node_flops, storage_nbytes, transient_bytes
 from .fake_trace import has_no_data, trace_joint_fake
-from .liveness import live_intervals, live_timeline
+from .intervals import live_intervals
+from .liveness import live_timeline
 from .regions import LayerStack, assign_layers
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule

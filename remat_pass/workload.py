@@ -43,7 +43,8 @@ from .configs import (
 )
 from .cuda_target import GPUS, CudaAllocatorModel, CudaKernels
 from .formatting import fmt_bytes, parse_bytes
-from .layer_reuse import TEMPLATE_LAYERS, ReusedLayers, ReusedLayersModel
+from .layer_reuse import ReusedLayers, ReusedLayersModel
+from .layer_roles import TEMPLATE_LAYERS
 from .liveness import MemoryReport
 from .planner import Planner
 from .schedule import Schedule

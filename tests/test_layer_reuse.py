@@ -11,9 +11,9 @@ import torch
 
 from remat_pass import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
-from remat_pass.layer_reuse import (
-    ReusedLayers,
-    ReusedLayersModel,
+from remat_pass.intervals import memory_intervals
+from remat_pass.layer_reuse import ReusedLayers, ReusedLayersModel
+from remat_pass.layer_roles import (
     block_order,
     requirements,
     roles_of,
@@ -21,7 +21,7 @@ from remat_pass.layer_reuse import (
     template_role_strings,
     valid_roles,
 )
-from remat_pass.liveness import analyze, live_timeline, memory_intervals
+from remat_pass.liveness import analyze, live_timeline
 from remat_pass.memory_model import MemoryModel
 from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite

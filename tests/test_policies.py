@@ -17,9 +17,9 @@ from remat_pass import schedule as schedules
 from remat_pass.backend_options import BackendOptions
 from remat_pass.cli import EXIT_USAGE, main
 from remat_pass.errors import InvalidSchedule
+from remat_pass.module_paths import normalize_module_path
 from remat_pass.partition import partition
 from remat_pass.policies import module_kinds, recompute_modules, save_policy
-from remat_pass.regions import normalize_module_path
 from remat_pass.rewrite import rewrite
 from remat_pass.sweep import Session
 

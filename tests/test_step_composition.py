@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from remat_pass.liveness import Storage
+from remat_pass.intervals import Storage
 from remat_pass.step_composition import Phase, Place, SpanTensor, compose_step, compose_timeline
 from remat_pass.step_flow import GraphCall, GraphLiveness, step_flow
 from solvers.poly import Poly, pareto_max
