@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stages in data-flow order (ARCHITECTURE.md): a module may import only modules
 # listed before it. ``solvers`` comes first: remat_pass builds on it, never the reverse.
 STAGES = [
-    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
+    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.chain_search", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
     "solvers",
     "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.cuda_target",
     "remat_pass.static_memory", "remat_pass.op_signature",
@@ -121,7 +121,7 @@ def test_solvers_import_without_torch():
         "        if name.split('.')[0] in ('torch', 'remat_pass'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import solvers, solvers.chain, solvers.poly, solvers.closed_forms, solvers.resolve, solvers.errors, solvers.oplevel\n"
+        "import solvers, solvers.chain, solvers.chain_search, solvers.poly, solvers.closed_forms, solvers.resolve, solvers.errors, solvers.oplevel\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'remat_pass')]\n"
         "print('ok')\n"
     )
