@@ -17,7 +17,8 @@ from .planner import Plan, Planner
 from .regions import LayerStack, assign_layers, find_layer_stack
 from .rewrite import RewrittenStep, rewrite
 from .schedule import Schedule, megatron_schedules
-from .sweep import ScheduleResult, Session, sweep
+from .schedule_result import ScheduleResult
+from .sweep import Session, sweep
 from .symbolic import SymbolicModel, trace_symbolic
 from .trace import JointGraph, trace_joint
 

@@ -59,23 +59,20 @@ from .static_memory import OPTIMIZERS
 from .cli_parallel import add_parallel_args, parallel_config, plan_parallel, sweep_parallel
 from .plot import plot_timeline
 from .regions import LayerStack
+from .plan_report import op_plan_json, op_plan_text, plan_json, plan_text, symbolic_model_text
 from .report import (
     SWEEP_COLUMNS,
-    op_plan_json,
-    op_plan_text,
-    plan_json,
-    plan_text,
     read_reports,
     report_json,
     report_markdown,
     reports_document,
     summary_markdown,
     sweep_rows,
-    symbolic_model_text,
     write_json,
     write_report,
 )
-from .sweep import ScheduleResult, Session
+from .schedule_result import ScheduleResult
+from .sweep import Session
 from .symbolic import default_symbols, trace_symbolic
 from .workload import DEFAULT_MODEL, TARGETS, Workload, WorkloadOptions, fits, load_workload
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

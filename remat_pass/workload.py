@@ -49,7 +49,8 @@ from .liveness import MemoryReport
 from .planner import Planner
 from .schedule import Schedule
 from .static_memory import StaticMemory, StaticOptions, activation_budget, static_memory, static_tensors
-from .sweep import ScheduleResult, Session, predicted_result
+from .schedule_result import ScheduleResult, predicted_result
+from .sweep import Session
 from .trace import JointGraph
 
 TARGETS = ("cpu", "cuda")

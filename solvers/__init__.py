@@ -2,9 +2,10 @@
 ``remat_pass``.
 
 - ``solvers.chain``: the chain model of a layer stack under Megatron-style full
-  recompute and an exact dynamic program over it (Pareto front of peak bytes versus
-  recompute FLOPs): the least recompute under a peak budget, the least peak under a
-  recompute budget.
+  recompute.
+- ``solvers.chain_search``: an exact dynamic program over it (Pareto front of peak bytes
+  versus recompute FLOPs): the least recompute under a peak budget, the least peak under
+  a recompute budget.
 - ``solvers.resolve``: the same answers checked against an exact predictor
   (``predict(groups) -> bytes``), re-solving tighter when the model overshoots.
 - ``solvers.poly``: integer polynomials in shape symbols (symbolic sizes).
@@ -12,16 +13,8 @@
 - ``solvers.errors``: the error types (re-exported by ``remat_pass.errors``).
 """
 
-from .chain import (
-    ChainCosts,
-    Solution,
-    StoredOption,
-    least_feasible_peak,
-    least_peak,
-    least_recompute,
-    model_peak,
-    pareto_front,
-)
+from .chain import ChainCosts, Solution, StoredOption, model_peak
+from .chain_search import least_feasible_peak, least_peak, least_recompute, pareto_front
 from .errors import InfeasibleBudget, InvalidSchedule, RematError
 from .resolve import CheckedPlan, least_feasible_checked, least_recompute_checked, least_recompute_offset
 

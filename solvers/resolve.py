@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .chain import ChainCosts, Solution, least_feasible_peak, least_recompute, model_peak, pareto_front
+from .chain import ChainCosts, Solution, model_peak
+from .chain_search import least_feasible_peak, least_recompute, pareto_front
 from .errors import InfeasibleBudget, infeasible
 
 Groups = tuple[tuple[int, ...], ...]
@@ -107,6 +108,33 @@ def least_recompute_checked(costs: ChainCosts, budget_bytes: int, predict: Predi
                        resolves, least.options)
 
 
+class _Checked:
+    """The answers of ``least_recompute_offset``'s search, each predicted once: the
+    cheapest (least recompute) that fits ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int, predict: Predict):
+        self.budget_bytes, self.predict = budget_bytes, predict
+        self.peaks: dict[tuple, int] = {}
+        self.best: CheckedPlan | None = None
+
+    def peak_of(self, sol: Solution) -> int:
+        """``predict(sol)``, computed once per schedule."""
+        key = (sol.groups, sol.options)
+        if key not in self.peaks:
+            self.peaks[key] = self.predict(sol)
+        return self.peaks[key]
+
+    def fits(self, sol: Solution, solves: int) -> bool:
+        """Whether ``sol``'s predicted peak fits; the cheapest that fits becomes ``best``
+        (``solves``: the chain solves taken to find it)."""
+        peak = self.peak_of(sol)
+        if peak > self.budget_bytes:
+            return False
+        if self.best is None or sol.recompute_flops < self.best.recompute_flops:
+            self.best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, solves, sol.options)
+        return True
+
+
 def least_recompute_offset(costs: ChainCosts, budget_bytes: int, predict: Predict,
                            start_model_budget: int | None = None, max_solves: int = 64) -> CheckedPlan | None:
     """The least-recompute schedule whose predicted peak is <= ``budget_bytes``, when the
@@ -144,26 +172,9 @@ def least_recompute_offset(costs: ChainCosts, budget_bytes: int, predict: Predic
         found fits (the caller keeps what it has).
     """
     top = model_peak(costs, ())
-    best: CheckedPlan | None = None
-    peaks: dict[tuple, int] = {}
-
-    def peak_of(sol: Solution) -> int:
-        key = (sol.groups, sol.options)
-        if key not in peaks:
-            peaks[key] = predict(sol)
-        return peaks[key]
-
-    def fits(sol: Solution, solves: int) -> bool:
-        nonlocal best
-        peak = peak_of(sol)
-        if peak > budget_bytes:
-            return False
-        if best is None or sol.recompute_flops < best.recompute_flops:
-            best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, solves, sol.options)
-        return True
-
-    if fits(top, 0):
-        return best
+    checked = _Checked(budget_bytes, predict)
+    if checked.fits(top, 0):
+        return checked.best
     over = top.peak_bytes  # a model budget whose answer overshoots
     m = min(budget_bytes if start_model_budget is None else start_model_budget, over - 1)
     fit_at: int | None = None
@@ -177,20 +188,21 @@ def least_recompute_offset(costs: ChainCosts, budget_bytes: int, predict: Predic
                 return None
             m, least_tried = e.least_feasible_peak_bytes, True
             continue
-        if fits(sol, solves):
+        if checked.fits(sol, solves):
             fit_at = m
             break
         over = min(over, m)
-        m -= max(peak_of(sol) - budget_bytes, 1)
+        m -= max(checked.peak_of(sol) - budget_bytes, 1)
     if fit_at is None:
         return None
     while over - fit_at > 1 and solves < max_solves:
         solves += 1
         mid = (fit_at + over) // 2
         sol = least_recompute(costs, mid)
-        assert best is not None
-        if sol.recompute_flops >= best.recompute_flops or fits(sol, solves):
+        assert checked.best is not None
+        if sol.recompute_flops >= checked.best.recompute_flops or checked.fits(sol, solves):
             fit_at = mid  # nothing cheaper fits at or below mid
         else:
             over = mid
-    return best
+    return checked.best
+

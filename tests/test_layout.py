@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stages in data-flow order (ARCHITECTURE.md): a module may import only modules
 # listed before it. ``solvers`` comes first: remat_pass builds on it, never the reverse.
 STAGES = [
-    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
+    "solvers.errors", "solvers.poly", "solvers.chain", "solvers.chain_search", "solvers.closed_forms", "solvers.resolve", "solvers.oplevel",
     "solvers.theoretical_memory",
     "solvers",
     "remat_pass.errors", "remat_pass.formatting", "remat_pass.costs", "remat_pass.cuda_target",
@@ -21,9 +21,9 @@ STAGES = [
     "remat_pass.scratch_table", "remat_pass.memory_model", "remat_pass.flat_step",
     "remat_pass.shape_symbols", "remat_pass.untraceable", "remat_pass.trace", "remat_pass.fake_trace",
     "remat_pass.module_paths", "remat_pass.regions", "remat_pass.schedule", "remat_pass.partition", "remat_pass.policies", "remat_pass.rewrite",
-    "remat_pass.intervals", "remat_pass.liveness", "remat_pass.step_composition", "remat_pass.step_flow", "remat_pass.measure", "remat_pass.calibration", "remat_pass.sweep", "remat_pass.symbolic_sizes", "remat_pass.symbolic",
+    "remat_pass.intervals", "remat_pass.liveness", "remat_pass.step_composition", "remat_pass.step_flow", "remat_pass.measure", "remat_pass.calibration", "remat_pass.schedule_result", "remat_pass.sweep", "remat_pass.symbolic_sizes", "remat_pass.symbolic",
     "remat_pass.layer_roles", "remat_pass.layer_template", "remat_pass.layer_reuse", "remat_pass.planner", "remat_pass.step_planning", "remat_pass.op_planner", "remat_pass.step_op_planning",
-    "remat_pass.report",
+    "remat_pass.report", "remat_pass.plan_report",
     "remat_pass.step_report", "remat_pass.inspection",
     "remat_pass.plot",
     "remat_pass.gate", "remat_pass.compiled_graphs", "remat_pass.graph_transforms", "remat_pass.inductor_memory",

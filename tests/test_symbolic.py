@@ -16,7 +16,7 @@ from remat_pass.measure import measure_step
 from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite
 from remat_pass.formatting import parse_bytes
-from remat_pass.report import symbolic_model_text
+from remat_pass.plan_report import symbolic_model_text
 from remat_pass.symbolic import default_symbols, trace_symbolic
 from remat_pass.sweep import megatron_schedules
 from remat_pass.trace import trace_joint
