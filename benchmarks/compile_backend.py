@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -133,7 +134,7 @@ def run(model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor], ids_of: 
     return out
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt2,tiny")
     ap.add_argument("--compilers", default="eager")
@@ -149,92 +150,134 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        base, ids_of = make_model(name, batches[0], args.dropout)
-        loss = loss_fn(name, args.bf16)
-        torch._dynamo.reset()
-        ref_model = copy.deepcopy(base)
-        eager = run(ref_model, lambda ids: loss(ref_model, ids), ids_of, batches, args.repeats)
-        ref = {r["batch"]: r for r in eager}
-        tag = f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
-
-        def add(compiler: str, method: str, results: list[dict[str, Any]], predicted: dict[int, int | None],
-                note: str = "", budget: int | None = None) -> None:
-            for r in results:
-                e = ref[r["batch"]]
-                equal = all(torch.equal(a, b) for a, b in zip(r["grads"], e["grads"]))
-                diff = max(float((a - b).abs().max()) for a, b in zip(r["grads"], e["grads"]))
-                p = predicted.get(r["batch"])
-                rows.append({
-                    "model": tag, "compiler": compiler, "method": method, "batch": r["batch"],
-                    "measured_bytes": r["peak_bytes"], "predicted_bytes": p,
-                    "error_pct": None if p is None else 100.0 * (p - r["peak_bytes"]) / r["peak_bytes"],
-                    "budget_bytes": budget, "within_budget": None if budget is None else r["peak_bytes"] <= budget,
-                    "time_ratio": r["step_s"] / e["step_s"], "grads_bitwise": equal, "max_grad_diff": diff,
-                    "note": note})
-                r2 = rows[-1]
-                print(f"row: {tag} | {compiler} | {method} | batch {r['batch']} | measured {r2['measured_bytes']:,} | "
-                      f"predicted {p if p is None else format(p, ',')} | time/eager {r2['time_ratio']:.2f} | "
-                      f"grads {'bitwise' if equal else diff}", flush=True)
-
-        add("-", "eager", eager, {})
-        for compiler in args.compilers.split(","):
-            step_peaks: dict[str, int] = {}
-            for spec in args.schedules.split(","):
-                if spec == "optimized":
-                    continue
-                method, _, k = spec.partition(":")
-                torch._dynamo.reset()
-                b = remat_pass.backend(method, int(k) if k else None, compiler=compiler)
-                model = copy.deepcopy(base)
-                f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b, dynamic=args.dynamic)
-                res = run(model, f, ids_of, batches, args.repeats)
-                pred = {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}
-                step_peaks[spec] = pred[batches[0]]
-                add(compiler, spec, res, pred, _note(b))
-            if "optimized" in args.schedules.split(",") and not args.dynamic and {"none", "uniform:1"} <= set(step_peaks):
-                lo, hi = step_peaks["uniform:1"], step_peaks["none"]
-                for frac in (float(x) for x in args.budget_fractions.split(",")):
-                    budget = int(lo + frac * (hi - lo))
-                    torch._dynamo.reset()
-                    b = remat_pass.backend("optimized", budget_bytes=budget, compiler=compiler)
-                    model = copy.deepcopy(base)
-                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b)
-                    try:
-                        res = run(model, f, ids_of, batches, args.repeats)
-                    except InfeasibleBudget as e:
-                        print(f"row: {tag} | {compiler} | optimized {budget / MIB:.2f} MiB | {e}", flush=True)
-                        rows.append({"model": tag, "compiler": compiler, "method": f"optimized {budget / MIB:.2f} MiB",
-                                     "batch": batches[0], "measured_bytes": 0, "predicted_bytes": e.least_feasible_peak_bytes,
-                                     "error_pct": None, "budget_bytes": budget, "within_budget": None,
-                                     "time_ratio": 0.0, "grads_bitwise": False, "max_grad_diff": 0.0,
-                                     "note": "InfeasibleBudget (predicted = least feasible step peak)"})
-                        continue
-                    add(compiler, f"optimized {budget / MIB:.2f} MiB",
-                        res, {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}, _note(b), budget)
-            for spec in args.references.split(","):
-                if spec.startswith("budget:") and compiler == "eager":
-                    frac = float(spec.split(":")[1])
-                    torch._dynamo.reset()
-                    model = copy.deepcopy(base)
-                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend="aot_eager", dynamic=args.dynamic)
-                    res = run(model, f, ids_of, batches, args.repeats,
-                              torch._functorch.config.patch(activation_memory_budget=frac))
-                    add("aot_eager", f"activation_memory_budget={frac}", res, {})
-                elif spec == "checkpoint" and compiler == "inductor":
-                    torch._dynamo.reset()
-                    model = with_checkpoint(name, base)
-                    f = torch.compile(lambda ids, m=model: loss(m, ids), backend="inductor", dynamic=args.dynamic)
-                    add("inductor", "checkpoint every layer (K=1)", run(model, f, ids_of, batches, args.repeats), {})
+        rows += _model_rows(args, name, batches)
     _print(rows)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"config": vars(args), "torch": torch.__version__, "rows": rows}, fh, indent=2)
     return rows
+
+
+def _model_rows(args: argparse.Namespace, name: str, batches: list[int]) -> list[dict[str, Any]]:
+    """One model's rows: eager (the reference), then per compiler the remat schedules,
+    the optimized budgets (static shapes) and the references."""
+    base, ids_of = make_model(name, batches[0], args.dropout)
+    loss = loss_fn(name, args.bf16)
+    torch._dynamo.reset()
+    ref_model = copy.deepcopy(base)
+    eager = run(ref_model, lambda ids: loss(ref_model, ids), ids_of, batches, args.repeats)
+    tag = f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
+    bench = _Bench(args, name, tag, base, ids_of, loss, batches, {r["batch"]: r for r in eager})
+    bench.add("-", "eager", eager, {})
+    for compiler in args.compilers.split(","):
+        step_peaks = bench.schedules(compiler)
+        if "optimized" in args.schedules.split(",") and not args.dynamic and {"none", "uniform:1"} <= set(step_peaks):
+            bench.budgets(compiler, step_peaks["uniform:1"], step_peaks["none"])
+        bench.references(compiler)
+    return bench.rows
+
+
+@dataclasses.dataclass
+class _Bench:
+    """One model's runs against its eager reference ``ref`` (by batch), as rows."""
+
+    args: argparse.Namespace
+    name: str
+    tag: str
+    base: nn.Module
+    ids_of: Callable[[int], torch.Tensor]
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    batches: list[int]
+    ref: dict[int, dict[str, Any]]
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def add(self, compiler: str, method: str, results: list[dict[str, Any]], predicted: dict[int, int | None],
+            note: str = "", budget: int | None = None) -> None:
+        tag = self.tag
+        for r in results:
+            e = self.ref[r["batch"]]
+            equal = all(torch.equal(a, b) for a, b in zip(r["grads"], e["grads"]))
+            diff = max(float((a - b).abs().max()) for a, b in zip(r["grads"], e["grads"]))
+            p = predicted.get(r["batch"])
+            self.rows.append({
+                "model": tag, "compiler": compiler, "method": method, "batch": r["batch"],
+                "measured_bytes": r["peak_bytes"], "predicted_bytes": p,
+                "error_pct": None if p is None else 100.0 * (p - r["peak_bytes"]) / r["peak_bytes"],
+                "budget_bytes": budget, "within_budget": None if budget is None else r["peak_bytes"] <= budget,
+                "time_ratio": r["step_s"] / e["step_s"], "grads_bitwise": equal, "max_grad_diff": diff,
+                "note": note})
+            r2 = self.rows[-1]
+            print(f"row: {tag} | {compiler} | {method} | batch {r['batch']} | measured {r2['measured_bytes']:,} | "
+                  f"predicted {p if p is None else format(p, ',')} | time/eager {r2['time_ratio']:.2f} | "
+                  f"grads {'bitwise' if equal else diff}", flush=True)
+
+    def schedules(self, compiler: str) -> dict[str, int]:
+        """The remat rows of every schedule but ``optimized``; their predicted step peaks."""
+        args, base, loss, ids_of, batches = self.args, self.base, self.loss, self.ids_of, self.batches
+        step_peaks: dict[str, int] = {}
+        for spec in args.schedules.split(","):
+            if spec == "optimized":
+                continue
+            method, _, k = spec.partition(":")
+            torch._dynamo.reset()
+            b = remat_pass.backend(method, int(k) if k else None, compiler=compiler)
+            model = copy.deepcopy(base)
+            f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b, dynamic=args.dynamic)
+            res = run(model, f, ids_of, batches, args.repeats)
+            pred = {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}
+            step_peaks[spec] = pred[batches[0]]
+            self.add(compiler, spec, res, pred, _note(b))
+        return step_peaks
+
+    def budgets(self, compiler: str, lo: int, hi: int) -> None:
+        """The ``optimized`` rows at budgets ``lo + f * (hi - lo)``, f in ``--budget-fractions``."""
+        args, base, loss, ids_of, batches, tag = self.args, self.base, self.loss, self.ids_of, self.batches, self.tag
+        for frac in (float(x) for x in args.budget_fractions.split(",")):
+            budget = int(lo + frac * (hi - lo))
+            torch._dynamo.reset()
+            b = remat_pass.backend("optimized", budget_bytes=budget, compiler=compiler)
+            model = copy.deepcopy(base)
+            f = torch.compile(lambda ids, m=model: loss(m, ids), backend=b)
+            try:
+                res = run(model, f, ids_of, batches, args.repeats)
+            except InfeasibleBudget as e:
+                print(f"row: {tag} | {compiler} | optimized {budget / MIB:.2f} MiB | {e}", flush=True)
+                self.rows.append({"model": tag, "compiler": compiler, "method": f"optimized {budget / MIB:.2f} MiB",
+                                  "batch": batches[0], "measured_bytes": 0, "predicted_bytes": e.least_feasible_peak_bytes,
+                                  "error_pct": None, "budget_bytes": budget, "within_budget": None,
+                                  "time_ratio": 0.0, "grads_bitwise": False, "max_grad_diff": 0.0,
+                                  "note": "InfeasibleBudget (predicted = least feasible step peak)"})
+                continue
+            self.add(compiler, f"optimized {budget / MIB:.2f} MiB",
+                     res, {r["batch"]: _step_peak(b, r["batch"], ids_of) for r in res}, _note(b), budget)
+
+    def references(self, compiler: str) -> None:
+        """The reference rows: ``aot_eager`` under ``activation_memory_budget`` (eager
+        compiler), Inductor with ``torch.utils.checkpoint`` every layer (inductor)."""
+        args, base, loss, ids_of, batches = self.args, self.base, self.loss, self.ids_of, self.batches
+        for spec in args.references.split(","):
+            if spec.startswith("budget:") and compiler == "eager":
+                frac = float(spec.split(":")[1])
+                torch._dynamo.reset()
+                model = copy.deepcopy(base)
+                f = torch.compile(lambda ids, m=model: loss(m, ids), backend="aot_eager", dynamic=args.dynamic)
+                res = run(model, f, ids_of, batches, args.repeats,
+                          torch._functorch.config.patch(activation_memory_budget=frac))
+                self.add("aot_eager", f"activation_memory_budget={frac}", res, {})
+            elif spec == "checkpoint" and compiler == "inductor":
+                torch._dynamo.reset()
+                model = with_checkpoint(self.name, base)
+                f = torch.compile(lambda ids, m=model: loss(m, ids), backend="inductor", dynamic=args.dynamic)
+                self.add("inductor", "checkpoint every layer (K=1)", run(model, f, ids_of, batches, args.repeats), {})
 
 
 def _step_peak(b: Any, batch: int, ids_of: Callable[[int], torch.Tensor]) -> int | None:

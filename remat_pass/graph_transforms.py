@@ -148,25 +148,10 @@ def aot_graphs(
     saved_fw = saved_outs + [placeholders[p.name] for p in bw_primals]
     saved_bw: list[Any] = bw_src[: n_saved + len(bw_primals)]
 
-    # pre-mutation clones for recomputed readers of a mutated primal
-    stale: dict[str, fx.Node] = {}  # primal name -> its pre-mutation clone (forward)
-    recompute_readers = {
-        a.name
-        for n in step.backward.graph.nodes
-        if step.kind_of.get(n.name) == "recompute"
-        for a in n.all_input_nodes
-        if a.op == "placeholder"
-    }
-    last_placeholder = [n for n in fw.nodes if n.op == "placeholder"][-1]
-    for dst, src in mutations:
-        if dst in recompute_readers:
-            with fw.inserting_after(last_placeholder):
-                pre = fw.create_node("call_function", torch.ops.aten.clone.default,
-                                     (placeholders[dst],), name=f"{dst}_before_mutation")
-            pre.meta = dict(placeholders[dst].meta)
-            stale[dst] = pre
-            saved_fw.append(pre)
-            saved_bw.append(pre)  # stands in for its backward placeholder
+    clones = _pre_mutation_clones(fw, step, mutations, placeholders)
+    stale = dict(clones)  # primal name -> its pre-mutation clone (forward)
+    saved_fw += [pre for _, pre in clones]
+    saved_bw += [pre for _, pre in clones]  # each stands in for its backward placeholder
     sym = [i for i, n in enumerate(saved_fw) if is_sym_node(n)]
     tensors = [i for i in range(len(saved_fw)) if i not in set(sym)]
     for dst, src in mutations:
@@ -201,6 +186,31 @@ def aot_graphs(
         fx.GraphModule(step.forward, fw, class_name="RematForward"),
         fx.GraphModule(step.backward, bw, class_name="RematBackward"),
     )
+
+
+def _pre_mutation_clones(
+    fw: fx.Graph, step: RewrittenStep, mutations: Sequence[tuple[str, str]], placeholders: dict[str, fx.Node]
+) -> list[tuple[str, fx.Node]]:
+    """For each mutated primal a recomputed node of ``step`` reads, a clone of it taken
+    in ``fw`` (the forward graph being built) right after its placeholders, before the
+    mutation: ``[(primal name, clone)]`` in the order of ``mutations``."""
+    recompute_readers = {
+        a.name
+        for n in step.backward.graph.nodes
+        if step.kind_of.get(n.name) == "recompute"
+        for a in n.all_input_nodes
+        if a.op == "placeholder"
+    }
+    last_placeholder = [n for n in fw.nodes if n.op == "placeholder"][-1]
+    clones = []
+    for dst, src in mutations:
+        if dst in recompute_readers:
+            with fw.inserting_after(last_placeholder):
+                pre = fw.create_node("call_function", torch.ops.aten.clone.default,
+                                     (placeholders[dst],), name=f"{dst}_before_mutation")
+            pre.meta = dict(placeholders[dst].meta)
+            clones.append((dst, pre))
+    return clones
 
 
 def boundary_bytes(step: RewrittenStep) -> int:

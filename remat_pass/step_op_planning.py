@@ -110,7 +110,7 @@ def plan_step_op_level(graphs: Sequence[OpPlannedGraph], step_peak: Callable[[di
             choices.
         step_peak: the composed step peak (bytes) when the named graphs run the given
             rewritten steps (the other graphs of the step keep theirs), e.g.
-            ``backend.RematBackend._compose``'s.
+            ``backend_steps.BackendSteps._compose``'s.
         budget_bytes: the step's peak budget (bytes).
         max_rounds: how many times each phase may visit every graph.
 

@@ -16,10 +16,10 @@ import remat_pass
 from remat_pass import schedule as schedules
 from remat_pass.backend import (
     REPORT_DIR_ENV,
-    GraphBreakWarning,
     InvalidBackendOption,
     registered_backend,
 )
+from remat_pass.backend_graph import GraphBreakWarning
 from remat_pass.errors import InvalidSchedule
 from remat_pass.inspection import load_dump
 from remat_pass.models import TinyGPT

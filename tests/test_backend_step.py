@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat_pass
-from remat_pass.backend import GraphBreakWarning, RematFallbackWarning
+from remat_pass.backend_graph import GraphBreakWarning, RematFallbackWarning
 from remat_pass.costs import node_flops
 from remat_pass.formatting import fmt_bytes
 from remat_pass.errors import InfeasibleBudget, InvalidOption, InvalidSchedule, StepNotComposable

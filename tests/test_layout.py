@@ -28,7 +28,7 @@ STAGES = [
     "remat_pass.plot",
     "remat_pass.gate", "remat_pass.compiled_graphs", "remat_pass.graph_transforms", "remat_pass.inductor_memory",
     "remat_pass.inductor_hooks", "remat_pass.step_recorder", "remat_pass.backend_options",
-    "remat_pass.graph_schedule",
+    "remat_pass.graph_schedule", "remat_pass.backend_graph", "remat_pass.backend_steps",
     "remat_pass.backend",
     "remat_pass.pipeline", "remat_pass.parallel", "remat_pass.fsdp", "remat_pass.parallel_plan", "remat_pass.launch",
     "remat_pass.models", "remat_pass.hf_families", "remat_pass.configs", "remat_pass.workload",
