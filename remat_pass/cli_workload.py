@@ -22,7 +22,7 @@ from .static_memory import OPTIMIZERS
 from .sweep import Session
 from .workload import DEFAULT_MODEL, TARGETS, Workload, WorkloadOptions, load_workload
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # ok; a gate or gradient check failed; bad input
 
 
 def positive_int(text: str) -> int:
