@@ -40,6 +40,7 @@ from .measure import profiled_peak_cpu, run_graph
 from .models import build
 from .parallel import ParallelConfig, StageGraph, microbatches, predict_rank, stage_inputs, stage_schedule, trace_rank
 from .parallel import validate
+from .pipeline import Action
 from .rewrite import RewrittenStep, rewrite
 
 SINGLE_PROCESS_RTOL = 1e-5  # relative to the largest |gradient| of the parameter
@@ -117,80 +118,104 @@ def pipeline_step(config: ParallelConfig, rank: int, runs: dict[int, _StageRun],
     order). With ``accumulators`` (zeros allocated before the step: Megatron's static
     ``main_grad``) every backward's gradients are added into them and freed.
     """
-    m, tp_index = config.microbatches, config.coords(rank)[1]
+    rank_step = _RankStep(config, rank, runs, mbs, loss_tangent, dict(accumulators or {}))
+    for k, a in enumerate(config.actions(rank)):
+        if a.kind == "F":
+            rank_step.forward(k, a)
+        else:
+            rank_step.backward(k, a)
+    rank_step.release_sends(None)
+    return rank_step.acc
 
-    def rank_of(stage: int) -> int:
-        return (stage % config.pp) * config.tp + tp_index
 
-    in_flight: dict[tuple[int, int], Any] = {}
-    pending: list[tuple[int, Any, torch.Tensor]] = []  # (release action, work, tensor)
-    acc: dict[int, list[Any]] = dict(accumulators or {})
-    releases = config.releases(rank)
+class _RankStep:
+    """The state of one rank's step while ``pipeline_step`` runs its actions: what each
+    stage keeps for backward per microbatch, the sends not yet waited, the accumulated
+    gradients. Every tensor a method holds is deleted as soon as it is no longer
+    needed, so that the graphs (``measure.run_graph``), not this runner, decide when a
+    value dies."""
 
-    def release_sends(k: int | None) -> None:
+    def __init__(self, config: ParallelConfig, rank: int, runs: dict[int, _StageRun],
+                 mbs: Sequence[tuple[torch.Tensor, ...]], loss_tangent: torch.Tensor,
+                 acc: dict[int, list[Any]]) -> None:
+        self.config, self.runs, self.mbs, self.loss_tangent, self.acc = config, runs, mbs, loss_tangent, acc
+        self.m, self.tp_index = config.microbatches, config.coords(rank)[1]
+        self.in_flight: dict[tuple[int, int], Any] = {}
+        self.pending: list[tuple[int, Any, torch.Tensor]] = []  # (release action, work, tensor)
+        self.releases = config.releases(rank)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank holding ``stage`` in this rank's tensor-parallel position."""
+        return (stage % self.config.pp) * self.config.tp + self.tp_index
+
+    def release_sends(self, k: int | None) -> None:
         """Wait (and drop) the sends released at action k (None: all)."""
         keep = []
-        for item in pending:
+        for item in self.pending:
             if k is None or item[0] == k:
                 item[1].wait()
             else:
                 keep.append(item)
-        pending[:] = keep
+        self.pending[:] = keep
         del keep
 
-    for k, a in enumerate(config.actions(rank)):
-        run = runs[a.stage]
+    def forward(self, k: int, a: Action) -> None:
+        """Action k, a forward: receive the activation, run the stage's forward graph,
+        keep what backward reads, send the output on."""
+        m, run = self.m, self.runs[a.stage]
         g, step = run.graph, run.step
-        if a.kind == "F":
-            x = None
-            if not g.first:
-                x = torch.empty(g.boundary_shape, dtype=run.tangent_dtype, device=run.device)
-                dist.irecv(x, rank_of(a.stage - 1), tag=_tag(a.stage, "F", a.microbatch, m)).wait()
-            release_sends(k)
-            args = [*run.statics, *stage_inputs(g.first, g.last, mbs[a.microbatch], x)]
-            keep_x = x if (x is not None and run.x_index in step.backward_primal_indices) else None
-            del x
-            out = run_graph(step.forward, args)
-            y, saved = out[0], out[step.num_fwd_outputs:]
-            del out
-            in_flight[(a.stage, a.microbatch)] = (saved, keep_x)
-            del saved, keep_x
-            if not g.last:
-                work = dist.isend(y, rank_of(a.stage + 1), tag=_tag(a.stage + 1, "F", a.microbatch, m))
-                pending.append((releases[k], work, y))
-                del work
-            del y
+        x = None
+        if not g.first:
+            x = torch.empty(g.boundary_shape, dtype=run.tangent_dtype, device=run.device)
+            dist.irecv(x, self.rank_of(a.stage - 1), tag=_tag(a.stage, "F", a.microbatch, m)).wait()
+        self.release_sends(k)
+        args = [*run.statics, *stage_inputs(g.first, g.last, self.mbs[a.microbatch], x)]
+        keep_x = x if (x is not None and run.x_index in step.backward_primal_indices) else None
+        del x
+        out = run_graph(step.forward, args)
+        y, saved = out[0], out[step.num_fwd_outputs:]
+        del out
+        self.in_flight[(a.stage, a.microbatch)] = (saved, keep_x)
+        del saved, keep_x
+        if not g.last:
+            work = dist.isend(y, self.rank_of(a.stage + 1), tag=_tag(a.stage + 1, "F", a.microbatch, m))
+            self.pending.append((self.releases[k], work, y))
+            del work
+        del y
+
+    def backward(self, k: int, a: Action) -> None:
+        """Action k, a backward: receive the output gradient, run the stage's backward
+        graph, send the input gradient back, add the parameter gradients up."""
+        m, run = self.m, self.runs[a.stage]
+        g, step = run.graph, run.step
+        if g.last:
+            tangent = self.loss_tangent
         else:
-            if g.last:
-                tangent = loss_tangent
-            else:
-                tangent = torch.empty(run.tangent_shape, dtype=run.tangent_dtype, device=run.device)
-                dist.irecv(tangent, rank_of(a.stage + 1), tag=_tag(a.stage, "B", a.microbatch, m)).wait()
-            release_sends(k)
-            saved, x = in_flight.pop((a.stage, a.microbatch))
-            primals = [*run.statics, *stage_inputs(g.first, g.last, mbs[a.microbatch], x)]
-            bw_args = [*saved, *[primals[i] for i in step.backward_primal_indices], tangent]
-            del saved, x, primals, tangent
-            grads = run_graph(step.backward, bw_args)
-            if not g.first:
-                gx = grads[run.x_index]
-                work = dist.isend(gx, rank_of(a.stage - 1), tag=_tag(a.stage - 1, "B", a.microbatch, m))
-                pending.append((releases[k], work, gx))
-                del work
-                del gx
-            new = [grads[i] for i in g.joint.param_indices]
-            del grads
-            if a.stage not in acc:
-                acc[a.stage] = new
-            else:
-                grad = None
-                for i, grad in enumerate(new):
-                    if grad is not None:
-                        acc[a.stage][i].add_(grad)
-                del grad  # a loop variable would keep the last gradient alive
-            del new
-    release_sends(None)
-    return acc
+            tangent = torch.empty(run.tangent_shape, dtype=run.tangent_dtype, device=run.device)
+            dist.irecv(tangent, self.rank_of(a.stage + 1), tag=_tag(a.stage, "B", a.microbatch, m)).wait()
+        self.release_sends(k)
+        saved, x = self.in_flight.pop((a.stage, a.microbatch))
+        primals = [*run.statics, *stage_inputs(g.first, g.last, self.mbs[a.microbatch], x)]
+        bw_args = [*saved, *[primals[i] for i in step.backward_primal_indices], tangent]
+        del saved, x, primals, tangent
+        grads = run_graph(step.backward, bw_args)
+        if not g.first:
+            gx = grads[run.x_index]
+            work = dist.isend(gx, self.rank_of(a.stage - 1), tag=_tag(a.stage - 1, "B", a.microbatch, m))
+            self.pending.append((self.releases[k], work, gx))
+            del work
+            del gx
+        new = [grads[i] for i in g.joint.param_indices]
+        del grads
+        if a.stage not in self.acc:
+            self.acc[a.stage] = new
+        else:
+            grad = None
+            for i, grad in enumerate(new):
+                if grad is not None:
+                    self.acc[a.stage][i].add_(grad)
+            del grad  # a loop variable would keep the last gradient alive
+        del new
 
 
 class _SettledCollectives:

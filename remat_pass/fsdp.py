@@ -98,12 +98,37 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
         num_layers: L; world: d, the FSDP size.
     """
     iv = memory_intervals(step, MemoryModel.table_only())[0]
-    n_fw, end = len(iv.fw_steps), len(iv.steps) - 1
+    units = _unit_bytes(primal_values, primal_kinds, primal_labels, stack_path, world)
+    fw, bw = _layer_spans(step, iv, num_layers)
+    post_bw = {u: bw[u][1] for u in range(num_layers)}
+    grads = _cut_gradients(step, iv, primal_kinds, primal_labels, stack_path, post_bw)
+    order = sorted(range(num_layers), key=lambda u: bw[u][0])  # backward order: L-1 first
+    _add_fsdp_storages(iv, step, units, fw, bw, order, world)
+    timeline = live_timeline(iv)
+    hooks = _hook_bytes(iv, timeline, units, fw, bw, order, grads, world)
+    peak_step = max(range(len(timeline)), key=lambda i: (timeline[i], -i)) if timeline else 0
+    best_hook = max(hooks, key=lambda h: h[1])
+    step_peak = timeline[peak_step] if timeline else 0
+    peak, where = (best_hook[1], best_hook[0]) if best_hook[1] > step_peak else (step_peak, iv.steps[peak_step].name)
+    return FsdpPrediction(peak, where, sum(-(-b // world) for b in units.values()),
+                          {("root" if u is None else str(u)): b for u, b in units.items()}, tuple(hooks), step_peak)
+
+
+def _unit_bytes(primal_values: list[Any], primal_kinds: list[str], primal_labels: list[str], stack_path: str,
+                world: int) -> dict[Any, int]:
+    """P_u: the unsharded (padded) parameter bytes of each unit (ROOT and layer indices)."""
     units: dict[Any, int] = {}
     for v, kind, label in zip(primal_values, primal_kinds, primal_labels):
         if kind == "param":
             u = unit_of(label, stack_path)
             units[u] = units.get(u, 0) + _padded_bytes(v, world)
+    return units
+
+
+def _layer_spans(step: RewrittenStep, iv: Any, num_layers: int) -> tuple[dict[int, tuple[int, int]],
+                                                                         dict[int, tuple[int, int]]]:
+    """The first and last step of each layer in forward and in backward."""
+    n_fw = len(iv.fw_steps)
     layer_steps: dict[int, list[int]] = {}
     for i, n in enumerate(iv.steps):
         layer = step.layer_of.get(n.name)
@@ -113,14 +138,21 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
           for u in range(num_layers)}
     bw = {u: (min(s for s in layer_steps[u] if s >= n_fw), max(s for s in layer_steps[u] if s >= n_fw))
           for u in range(num_layers)}
+    return fw, bw
+
+
+def _add_fsdp_storages(iv: Any, step: RewrittenStep, units: dict[Any, int], fw: dict[int, tuple[int, int]],
+                       bw: dict[int, tuple[int, int]], order: list[int], world: int) -> None:
+    """Add FSDP's buffers to ``iv`` as storages over the steps they span (module
+    docstring): unsharded parameters, all-gather outputs (prefetched in backward), the
+    loss gradient, sharded gradients and reduce-scatter inputs."""
+    n_fw, end, num_layers = len(iv.fw_steps), len(iv.steps) - 1, len(fw)
     post_bw = {u: bw[u][1] for u in range(num_layers)}
-    grads = _cut_gradients(step, iv, primal_kinds, primal_labels, stack_path, post_bw)
 
     def add(nbytes: int, first: int, last: int, name: str) -> None:
         if nbytes and last >= first:
             iv.storages.append(Storage(nbytes, first, last, name, None, "fsdp", False))
 
-    order = sorted(range(num_layers), key=lambda u: bw[u][0])  # backward order: L-1 first
     add(units[ROOT], 0, n_fw - 1, "root.unsharded.forward")
     for u in range(num_layers):
         add(units[u], fw[u][0], fw[u][1], f"{u}.unsharded.forward")
@@ -142,7 +174,14 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
         add(-(-units[u] // world), post_bw[u] + 1, end, f"{u}.sharded_gradient")
         until = post_bw[order[k + 1]] if k + 1 < len(order) else end
         add(units[u], post_bw[u] + 1, until, f"{u}.reduce_scatter_input")
-    timeline = live_timeline(iv)
+
+
+def _hook_bytes(iv: Any, timeline: list[int], units: dict[Any, int], fw: dict[int, tuple[int, int]],
+                bw: dict[int, tuple[int, int]], order: list[int], grads: dict[Any, int],
+                world: int) -> list[tuple[str, int]]:
+    """The predicted bytes at each hook instant, in run order (module docstring)."""
+    n_fw, end, num_layers = len(iv.fw_steps), len(iv.steps) - 1, len(fw)
+    post_bw = {u: bw[u][1] for u in range(num_layers)}
     live = [s for s in iv.storages if not s.static and s.nbytes]
 
     def across(a: int) -> int:
@@ -176,12 +215,7 @@ def predict_fsdp(step: RewrittenStep, primal_values: list[Any], primal_kinds: li
     # - its gradients + its shard + gloo's copy
     hooks.append(("post_backward(root)", base + max(units[ROOT],
                                                     2 * units[ROOT] + -(-units[ROOT] // world) - grads.get(ROOT, 0))))
-    peak_step = max(range(len(timeline)), key=lambda i: (timeline[i], -i)) if timeline else 0
-    best_hook = max(hooks, key=lambda h: h[1])
-    step_peak = timeline[peak_step] if timeline else 0
-    peak, where = (best_hook[1], best_hook[0]) if best_hook[1] > step_peak else (step_peak, iv.steps[peak_step].name)
-    return FsdpPrediction(peak, where, sum(-(-b // world) for b in units.values()),
-                          {("root" if u is None else str(u)): b for u, b in units.items()}, tuple(hooks), step_peak)
+    return hooks
 
 
 def _cut_gradients(step: RewrittenStep, iv: Any, primal_kinds: list[str], primal_labels: list[str],

@@ -32,7 +32,7 @@ STAGES = [
     "remat_pass.backend",
     "remat_pass.pipeline", "remat_pass.parallel", "remat_pass.fsdp", "remat_pass.parallel_plan", "remat_pass.launch",
     "remat_pass.models", "remat_pass.hf_families", "remat_pass.configs", "remat_pass.workload",
-    "remat_pass.distributed", "remat_pass.fsdp_measure", "remat_pass.cli_parallel", "remat_pass.cli", "remat_pass.pytest_plugin", "remat_pass",
+    "remat_pass.distributed", "remat_pass.fsdp_measure", "remat_pass.cli_parallel", "remat_pass.cli_workload", "remat_pass.cli_sweep", "remat_pass.cli_report", "remat_pass.cli_plan", "remat_pass.cli", "remat_pass.pytest_plugin", "remat_pass",
 ]
 
 

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrizations
 from remat_pass.errors import UnsupportedGraph
 
 from .common import (
-    B, T, D, Block, Stack, ZooEntry, in_eval, layers_of, refused, seeded, sq, stack, stack_of, x,
+    B, T, D, Block, Stack, ZooEntry, in_eval, layers_of, refused, seeded, sq, stack, stack_of,
 )
 
 
