@@ -54,7 +54,7 @@ def theory_bytes(shape: TransformerShape, s: schedules.Schedule) -> int:
     return megatron_activation_bytes(shape, s.method, s.recompute_num_layers)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples/configs/llama2-70b.json"))
     p.add_argument("--seq", type=int, default=4096)
@@ -65,35 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--master-weights", action="store_true")
     p.add_argument("--device-memory", default="80GiB")
     p.add_argument("--json", help="write the figures as JSON")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    out: dict = {"config": args.config, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
-                 "target": args.target, "rss_start_bytes": rss_bytes()}
-    w0, c0 = time.perf_counter(), time.process_time()
-    w = load_workload(WorkloadOptions(config=args.config, meta=True, dtype=args.dtype, target=args.target,
-                                      batch=args.batch, seq=args.seq, optimizer=args.optimizer,
-                                      master_weights=args.master_weights, device_memory=args.device_memory))
-    out["trace_wall_s"], out["trace_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
-    w1, c1 = time.perf_counter(), time.process_time()
-    todo = schedules.megatron_schedules(w.num_layers)
-    L = w.num_layers
-    shown = [schedules.none(L), schedules.uniform(1, L), schedules.uniform(2, L), schedules.uniform(4, L),
-             schedules.block(L // 4, L), schedules.block(L // 2, L)]
-    reports = {s.provenance: w.report(s) for s in todo}
-    peaks = {name: r.peak_bytes for name, r in reports.items()}
-    saved = {s.provenance: reports[s.provenance].saved_activation_bytes for s in shown}
-    del reports
-    out["schedules"] = len(todo)
-    out["sweep_wall_s"], out["sweep_cpu_s"] = time.perf_counter() - w1, time.process_time() - c1
-    w2, c2 = time.perf_counter(), time.process_time()
-    device = parse_bytes(args.device_memory)
+    return p
+
+
+def shown_schedules(L: int) -> list[schedules.Schedule]:
+    """The rows of the printed table: none, uniform K = 1, 2, 4, block N = L/4, L/2."""
+    return [schedules.none(L), schedules.uniform(1, L), schedules.uniform(2, L), schedules.uniform(4, L),
+            schedules.block(L // 4, L), schedules.block(L // 2, L)]
+
+
+def plan_for_device(w, args: argparse.Namespace, out: dict, none_peak_bytes: int):  # noqa: ANN001, ANN201
+    """The optimized plan under the activation budget the device leaves; when static
+    memory does not fit or the budget is infeasible, under a budget the stack can meet
+    (said in ``out["budget_from"]``)."""
     try:
         budget = w.activation_budget()
         out["budget_from"] = "device memory minus static memory"
     except RematError as e:
         # 70B: the bf16 parameters alone (128.5 GiB) exceed an 80 GiB device
         print(f"--device-memory {args.device_memory}: {e}")
-        budget = device
+        budget = parse_bytes(args.device_memory)
         out["budget_from"] = "the device memory as an activation budget (static memory does not fit)"
     planner = w.planner()
     out["device_plan"] = None
@@ -104,43 +95,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan for {fmt_bytes(budget)} of activations: {e}")
         out["device_plan_error"] = str(e)
         # a budget the stack can meet, halfway between the least feasible peak and none's
-        least, none_peak = e.least_feasible_peak_bytes, peaks[schedules.none(w.num_layers).provenance]
-        budget = least + (none_peak - least) // 2
+        least = e.least_feasible_peak_bytes
+        budget = least + (none_peak_bytes - least) // 2
         out["budget_from"] = "halfway between the least feasible peak and none's (the device budget is infeasible)"
         plan = planner.plan(budget)
-    out["plan_wall_s"], out["plan_cpu_s"] = time.perf_counter() - w2, time.process_time() - c2
-    out["total_wall_s"], out["total_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
-    out["rss_peak_bytes"] = rss_bytes()
-    out["templates_rewritten"] = len(w.reuse.templates) if w.reuse is not None else 0
-    out["num_layers"] = w.num_layers
-    out["static"] = w.static.to_dict()
     out["activation_budget_bytes"] = budget
     out["plan"] = {"schedule": plan.describe(), "predicted_peak_bytes": plan.predicted_peak_bytes,
                    "recompute_fraction": plan.recompute_fraction, "resolves": plan.resolves}
-    out["peaks"] = peaks
-    out["loadavg"] = open("/proc/loadavg").read().split()[:3]
+    return plan
+
+
+def print_figures(w, args: argparse.Namespace, out: dict, plan) -> None:  # noqa: ANN001
+    """Times and RSS, the static split, and the table of predicted peaks, saved
+    activations and Korthikanti et al.'s figure."""
     print(f"{w.description}")
     print(f"trace {out['trace_wall_s']:.1f} s wall / {out['trace_cpu_s']:.1f} s CPU; "
-          f"{len(todo)} Megatron schedules {out['sweep_wall_s']:.1f} / {out['sweep_cpu_s']:.1f} s; "
+          f"{out['schedules']} Megatron schedules {out['sweep_wall_s']:.1f} / {out['sweep_cpu_s']:.1f} s; "
           f"plan {out['plan_wall_s']:.1f} / {out['plan_cpu_s']:.1f} s; "
           f"total {out['total_wall_s']:.1f} s wall / {out['total_cpu_s']:.1f} s CPU; "
           f"peak RSS {fmt_bytes(out['rss_peak_bytes'])} (load average {' '.join(out['loadavg'])})")
     parts = [(k, v) for k, v in out["static"].items() if type(v) is int and k not in ("total_bytes", "gradient_bytes")]
     print(f"static {fmt_bytes(w.static.total_bytes)}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts)
           + f"; parameter gradients {fmt_bytes(w.static.gradient_bytes)} (inside each peak)")
-    print(f"activation budget {fmt_bytes(budget)} ({out['budget_from']})")
-    shape = transformer_shape(args.config, args.seq, args.batch)
-    out["theory"] = {}
-    out["saved_activation_bytes"] = saved
+    print(f"activation budget {fmt_bytes(out['activation_budget_bytes'])} ({out['budget_from']})")
     print(f"  {'schedule':14s} {'predicted peak':>15s} {'saved':>11s} {'Korthikanti':>12s}")
-    for s in shown:
-        out["theory"][s.provenance] = theory_bytes(shape, s)
-        print(f"  {s.provenance:14s} {fmt_bytes(peaks[s.provenance]):>15s} {fmt_bytes(saved[s.provenance]):>11s} "
-              f"{fmt_bytes(out['theory'][s.provenance]):>12s}")
+    for name, theory in out["theory"].items():
+        print(f"  {name:14s} {fmt_bytes(out['peaks'][name]):>15s} {fmt_bytes(out['saved_activation_bytes'][name]):>11s} "
+              f"{fmt_bytes(theory):>12s}")
     print(f"  {'optimized':14s} {fmt_bytes(plan.predicted_peak_bytes):>15s} {'':>11s} {'':>12s}  {plan.describe()}  "
           f"recompute {100 * plan.recompute_fraction:.1f} % of forward")
     print("predicted peak: activation bytes above static memory (parameter gradients included); saved: what "
           "forward saves for backward; Korthikanti: Megatron's theoretical activations (flash attention)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict = {"config": args.config, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+                 "target": args.target, "rss_start_bytes": rss_bytes()}
+    w0, c0 = time.perf_counter(), time.process_time()
+    w = load_workload(WorkloadOptions(config=args.config, meta=True, dtype=args.dtype, target=args.target,
+                                      batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                                      master_weights=args.master_weights, device_memory=args.device_memory))
+    out["trace_wall_s"], out["trace_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
+    w1, c1 = time.perf_counter(), time.process_time()
+    todo, shown = schedules.megatron_schedules(w.num_layers), shown_schedules(w.num_layers)
+    out["peaks"], out["saved_activation_bytes"] = {}, {}
+    for s in todo:
+        r = w.report(s)
+        out["peaks"][s.provenance] = r.peak_bytes
+        if s in shown:
+            out["saved_activation_bytes"][s.provenance] = r.saved_activation_bytes
+    out["schedules"] = len(todo)
+    out["sweep_wall_s"], out["sweep_cpu_s"] = time.perf_counter() - w1, time.process_time() - c1
+    w2, c2 = time.perf_counter(), time.process_time()
+    plan = plan_for_device(w, args, out, out["peaks"][shown[0].provenance])
+    out["plan_wall_s"], out["plan_cpu_s"] = time.perf_counter() - w2, time.process_time() - c2
+    out["total_wall_s"], out["total_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
+    out["rss_peak_bytes"] = rss_bytes()
+    out["templates_rewritten"] = len(w.reuse.templates) if w.reuse is not None else 0
+    out["num_layers"] = w.num_layers
+    out["static"] = w.static.to_dict()
+    out["loadavg"] = open("/proc/loadavg").read().split()[:3]
+    shape = transformer_shape(args.config, args.seq, args.batch)
+    out["theory"] = {s.provenance: theory_bytes(shape, s) for s in shown}
+    print_figures(w, args, out, plan)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

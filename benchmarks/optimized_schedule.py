@@ -2,7 +2,7 @@
 
 For budgets spread from the unconstrained peak (``none``) down to the least feasible
 peak, on a GPT-2 (transformers) and on a heterogeneous stack, prints per budget: the
-optimized schedule (least recompute FLOPs under the budget, ``solvers.chain``), its
+optimized schedule (least recompute FLOPs under the budget, ``solvers.chain_search``), its
 predicted (liveness) and measured peak, the recompute FLOPs, and the best uniform /
 block schedule that fits the same budget; then the solver's time against L.
 

@@ -7,8 +7,8 @@ are in flight and where the peak is (``parallel_plan.predict_config``: every ran
 traced in this process under a fake process group); ``--measure`` runs the ranks on
 gloo (``distributed.measure_config``, ``fsdp_measure.measure_fsdp``). ``plan
 --device-memory`` chooses per stage (``parallel_plan.plan_stages``) and prints
-Megatron-LM's flags where they can express the plan. ``cli`` dispatches here and
-turns the results into exit codes; bad settings raise ``InvalidOption`` (exit 2).
+Megatron-LM's flags where they can express the plan. ``cli_sweep`` and ``cli_plan`` dispatch here and
+turn the results into exit codes; bad settings raise ``InvalidOption`` (exit 2).
 """
 
 from __future__ import annotations

@@ -422,7 +422,7 @@ class CudaAllocatorModel:
     liveness analysis and the static-memory accounting use for the CUDA target.
 
     ``block_bytes(n)`` is what one storage of ``n`` bytes is counted as (today the same
-    512-byte rounding ``liveness.storage_bytes(val, "cuda")`` applies);
+    512-byte rounding ``intervals.storage_bytes(val, "cuda")`` applies);
     ``workspace_bytes()`` the fixed per-process workspaces (static memory);
     ``scratch_bytes(node)`` memory an op allocates and frees inside itself on CUDA, 0
     until a calibrated table exists (the hook for an op-scratch model).

@@ -2,7 +2,7 @@
 
 The rank runs the unsharded model's step on its share of the batch; FSDP2 adds its
 parameter and gradient buffers at its hooks. The step's own activation bytes come from
-the joint graph's liveness (``liveness.live_intervals`` / ``live_timeline``, the one
+the joint graph's liveness (``intervals.live_intervals`` / ``live_timeline``, the one
 sweep); FSDP's buffers are storages added over the steps they span, and the moments
 inside a hook (between two steps) are checked apart. Units: each layer of the stack
 and the root (every parameter outside it); P_u is a unit's unsharded bytes (each

@@ -13,7 +13,7 @@ file is that dict, so a table read back from disk is the table printed live, byt
 byte.
 
 Storage accounting is ``liveness.analyze``'s, step for step: the intervals, sizes and
-scratch come from ``liveness.live_intervals`` and the sums from ``liveness.live_timeline``
+scratch come from ``intervals.live_intervals`` and the sums from ``liveness.live_timeline``
 (``tests/test_inspection.py`` checks that they give ``MemoryReport.timeline`` exactly). A step is a call_function node of the forward
 graph, then of the backward graph; a storage is live from the step that allocates it
 to the last use of any alias, inclusive. "freed here" lists the storages whose last
@@ -48,7 +48,7 @@ DUMP_SCHEMA_FILE = Path(__file__).with_name("dump_schema.json")
 
 
 def _intervals(step: RewrittenStep, memory: MemoryModel | str) -> Intervals:
-    """``liveness.memory_intervals``: sized and with scratch exactly as ``analyze`` does
+    """``intervals.memory_intervals``: sized and with scratch exactly as ``analyze`` does
     with the memory model ``memory`` (an allocator name: the table-only model)."""
     if isinstance(memory, str):
         memory = MemoryModel.table_only(memory)
@@ -68,7 +68,7 @@ def storage_intervals(step: RewrittenStep, allocator: MemoryModel | str = "cpu")
             the formula table's scratch, or the MemoryModel ``analyze`` was given.
 
     Returns:
-        ``liveness.Storage`` values in allocation order, then one of kind ``"scratch"``
+        ``intervals.Storage`` values in allocation order, then one of kind ``"scratch"``
         per step with modelled scratch memory (live during that step only); static
         storages (primals, tangents) and empty ones are left out. Summing ``nbytes``
         over those that hold step ``i`` gives ``analyze(step, allocator).timeline[i]``.

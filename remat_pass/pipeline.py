@@ -7,7 +7,7 @@ activations; under 1F1B stage i of p holds up to p - i microbatches at once, und
 all m; only one microbatch's forward or backward working set exists at a time.
 
 ``StageProfile`` reads one microbatch's memory off the stage's rewritten step
-(``liveness.live_intervals`` / ``live_timeline``, the one sweep); ``compose`` replays a
+(``intervals.live_intervals`` / ``live_timeline``, the one sweep); ``compose`` replays a
 rank's actions and adds what the other microbatches hold. The runtime model is the
 executor of ``distributed_run.pipeline_step`` (a Megatron-style loop over gloo/nccl
 point-to-point, measured to the byte on CPU):
@@ -120,7 +120,7 @@ def stage_profile(step: RewrittenStep, primal_kinds: Sequence[str], stage: int, 
             received activation is its first ``"input"`` primal on a stage that is not
             the first.
         stage: the global stage index; first, last: its position in the pipeline.
-        allocator: "cpu" or "cuda" (``liveness.storage_bytes``).
+        allocator: "cpu" or "cuda" (``intervals.storage_bytes``).
 
     Raises:
         RematError: a stage that is not the first has no input that requires grad.

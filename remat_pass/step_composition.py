@@ -119,7 +119,7 @@ class StepPlace:
 
 @dataclasses.dataclass
 class StepIntervals:
-    """The composed tensors as ``liveness.Storage`` intervals over the global steps
+    """The composed tensors as ``intervals.Storage`` intervals over the global steps
     (what ``liveness.live_timeline`` sweeps)."""
 
     storages: list[Storage]

@@ -9,7 +9,7 @@ among ready nodes autograd's CPU queue takes the most recently created first
 order that ran is observed, not assumed (``backward_order``).
 
 Each graph's own storages come from its liveness (``GraphLiveness``: the intervals of
-``liveness.live_intervals`` with forward outputs held only to their own last use, or
+``intervals.live_intervals`` with forward outputs held only to their own last use, or
 Inductor's buffers, ``inductor_memory``). What crosses between graphs, and the rules
 ``step_flow`` applies (the semantics of the CPython 3.11 frames Dynamo generates and of
 AOTAutograd's runtime, ``torch/_functorch/_aot_autograd/runtime_wrappers.py``):
@@ -65,7 +65,7 @@ class GraphLiveness:
         graph_id: the graph's id.
         forward_steps, backward_steps: what runs at each step (node names or code lines).
         step_layers: the layer of each step, forward then backward (None: outer).
-        storages: every storage with its local interval (``liveness.Storage``); static
+        storages: every storage with its local interval (``intervals.Storage``); static
             ones (primals, tangents) are skipped by the composition; forward outputs
             live only to their own last use in the graph.
         output_sids: index into ``storages`` of each forward output (None: no
@@ -104,7 +104,7 @@ def graph_liveness(graph_id: str, step: RewrittenStep, size_of: Callable[[torch.
     Args:
         graph_id: the graph's id.
         step: its RewrittenStep (sizes may be symbolic).
-        size_of, scratch_of: as ``liveness.live_intervals``.
+        size_of, scratch_of: as ``intervals.live_intervals``.
     """
     iv = live_intervals(step, size_of, scratch_of, hold_outputs=False)
     fw_placeholders = [n.name for n in step.forward.graph.nodes if n.op == "placeholder"]

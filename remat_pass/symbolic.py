@@ -7,7 +7,7 @@ How it works (DESIGN.md, Memory accounting / Symbolic shapes):
   the chosen input dimensions (``trace_joint(..., symbols=...)``); every storage size is
   then a polynomial in the symbols.
 - The order of the steps of a rewritten graph and the live intervals
-  (``liveness.live_intervals``) do not depend on shapes, only the sizes do. So the live
+  (``intervals.live_intervals``) do not depend on shapes, only the sizes do. So the live
   bytes at each step are a polynomial, and the peak of a schedule is the ``Max`` over
   the steps of those polynomials. A step whose polynomial is dominated coefficient by
   coefficient by another step's (every symbol is positive) is never the peak and is
@@ -96,7 +96,7 @@ def _flops_by_layer(step: RewrittenStep, nodes: Sequence[fx.Node], conv: SizeCon
 
 
 def profile_step(step: RewrittenStep, conv: SizeConverter) -> SymbolicStep:
-    """Live bytes at every step of ``step`` as polynomials: ``liveness.live_intervals``
+    """Live bytes at every step of ``step`` as polynomials: ``intervals.live_intervals``
     and ``live_timeline`` with sizes and scratch converted by ``conv`` (the CPU
     allocator's exact bytes, as ``liveness.analyze(step, "cpu")``)."""
     iv = live_intervals(step, lambda v: conv(storage_nbytes(v)), lambda n: conv(transient_bytes(n)))

@@ -12,7 +12,7 @@ Two ways to analyse the step:
 - the whole model is traced (``sweep.Session``): a real model on the CPU target can
   also be run and measured; a fake one (no weights, or the CUDA target on a machine
   without a GPU) is predicted only;
-- a config model of more than ``layer_reuse.TEMPLATE_LAYERS`` identical layers
+- a config model of more than ``layer_roles.TEMPLATE_LAYERS`` identical layers
   without weights is traced with that many layers and the L-layer stack is analysed by
   ``layer_reuse.ReusedLayers`` (exact, and fast at 70B scale); ``trace_all_layers``
   traces every layer instead.
