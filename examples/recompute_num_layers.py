@@ -126,6 +126,8 @@ def uniform_section(f: Figures) -> list[str]:
     L, uni, best_k, worst_k, a, s_bytes, k_star = f.L, f.uni, f.best_k, f.worst_k, f.a, f.s_bytes, f.k_star
     none = f.results["none"]
     top_u = f.reports[f"uniform(K={best_k})"].live_at_peak[:3]
+    # a = 0: one more rebuilt layer adds nothing at the peak, and sqrt(L·s/a) has no value
+    model_k = "undefined (a = 0)" if math.isnan(k_star) else str(max(1, round(k_star)))
     return [
         "## Uniform (`--recompute-method uniform --recompute-num-layers K`)",
         "",
@@ -138,7 +140,7 @@ def uniform_section(f: Figures) -> list[str]:
         f"rebuilt at once in backward. Each layer's checkpoint costs only "
         f"{mib(s_bytes)} MiB, so fewer groups save little: with s = {mib(s_bytes)} MiB and "
         f"a = {mib(a)} MiB, the model's minimum K = sqrt(L·s/a) = {k_star:.2f}, "
-        f"i.e. K = {max(1, round(k_star))} by the model, K = {best_k} measured.",
+        f"i.e. K = {model_k} by the model, K = {best_k} measured.",
         (
             "- Where: every uniform peak is in backward, in layer K-1 (the first group, "
             "recomputed last, when every parameter gradient already exists)"
