@@ -86,17 +86,9 @@ class BackendSteps:
         self._signatures: list[tuple] = []  # per log entry
 
     def step_report(self, shape: Sequence[int] | None = None) -> StepReport | None:
-        """The composed report of the latest training step (None before a step has
-        ended, or when its graphs run un-rewritten).
-
-        Args:
-            shape: the shape of the step's first non-parameter input (``ids.shape``):
-                the latest step that ran with it (under dynamic shapes, the report of
-                that shape). None: the latest step.
-
-        Raises:
-            KeyError: no step ran with ``shape`` (the message lists the shapes seen).
-        """
+        """``RematBackend.step_report``: the latest step's composed report, or the
+        latest one whose input had ``shape``; KeyError (naming the shapes seen) when none
+        did."""
         want = None if shape is None else tuple(shape)
         for entry, sig in zip(reversed(self.log), reversed(self._signatures)):
             if want is None or (entry.input_shapes and entry.input_shapes[0] == want):
