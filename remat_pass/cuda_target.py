@@ -165,9 +165,12 @@ def _sm_between(sm: tuple[int, int], lo: tuple[int, int], hi: tuple[int, int]) -
     return lo <= sm <= hi
 
 
-def _dense_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> bool:
+def _dense_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, supports_gqa: bool = True) -> bool:
     """check_tensor_shapes, check_nonzero_sequence_lengths_dense,
-    check_last_dim_stride_equals_1_dense, check_batch_size_and_num_heads_dense."""
+    check_last_dim_stride_equals_1_dense, check_batch_size_and_num_heads_dense<supports_gqa>:
+    with fewer key/value heads than query heads only a backend that supports grouped-query
+    attention passes, and only under ``enable_gqa`` (flash and cuDNN do; memory-efficient
+    attention is instantiated with ``supports_grouped_query_attention=false``)."""
     if not (q.dim() == k.dim() == v.dim() == 4):
         return False
     if min(q.shape[-2], k.shape[-2], v.shape[-2]) == 0:
@@ -179,7 +182,7 @@ def _dense_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
     if hk != hv or hq % hk:
         return False
-    return hq == hk or enable_gqa
+    return hq == hk or (enable_gqa and supports_gqa)
 
 
 def _can_use_flash(q, k, v, mask, dropout_p, is_causal, gpu, enable_gqa) -> bool:  # noqa: ANN001
@@ -200,7 +203,8 @@ def _can_use_flash(q, k, v, mask, dropout_p, is_causal, gpu, enable_gqa) -> bool
 
 def _can_use_efficient(q, k, v, mask, dropout_p, is_causal, gpu, enable_gqa) -> bool:  # noqa: ANN001
     """use_mem_efficient_attention's checks (sm50-sm121, gemm alignment of head dims and
-    storage offsets, fp32 also on sm80+; masks allowed)."""
+    storage offsets, fp32 also on sm80+; masks allowed; no grouped-query attention, so
+    fp32 GQA falls through to math)."""
     if not _sm_between(gpu.sm, (5, 0), (12, 1)):
         return False
     half = q.dtype in (torch.float16, torch.bfloat16)
@@ -215,7 +219,7 @@ def _can_use_efficient(q, k, v, mask, dropout_p, is_causal, gpu, enable_gqa) -> 
         if any(t.numel() and (t.storage_offset() * t.element_size()) % align_bytes for t in (q, k, v)):
             return False
     ok = (torch.float16, torch.float32, torch.bfloat16) if gpu.sm[0] >= 8 else (torch.float16, torch.float32)
-    return q.dtype in ok and _dense_4d(q, k, v, enable_gqa)
+    return q.dtype in ok and _dense_4d(q, k, v, enable_gqa, supports_gqa=False)
 
 
 def _can_use_cudnn(q, k, v, mask, dropout_p, is_causal, gpu, enable_gqa) -> bool:  # noqa: ANN001
