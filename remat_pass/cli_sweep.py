@@ -17,7 +17,7 @@ from .cli_parallel import parallel_config, sweep_parallel
 from .cli_workload import EXIT_FAILED, EXIT_OK, calibration_note, load, model_name, stacks_meta, static_line
 from .cli_workload import whole_session
 from .errors import InvalidSchedule
-from .formatting import mib, text_table
+from .formatting import fmt_bytes, mib, text_table
 from .partition import Partition
 from .policies import KINDS, POLICIES, recompute_modules, save_policy
 from .report import SWEEP_COLUMNS, sweep_rows, write_json
@@ -136,6 +136,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"{', '.join(r.provenance for r in noisy)} were compared against that difference instead of bit "
               "for bit (\"within\" in the table). One thread (torch.set_num_threads(1)) may make it reproducible.")
     print(static_line(w), file=sys.stderr)
+    if w.device_memory_bytes is not None:
+        fitting = [r.provenance for r in results if fits(r, w.static, w.device_memory_bytes)]
+        print(f"fit the device ({fmt_bytes(w.device_memory_bytes)} with static memory): {len(fitting)} of "
+              f"{len(results)} schedules" + (f": {', '.join(fitting)}" if 0 < len(fitting) <= 8 else ""),
+              file=sys.stderr)
     print(f"{len(results)} schedules in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.json:
         rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]

@@ -120,7 +120,10 @@ def static_line(w: Workload) -> str:
     line = f"static memory {fmt_bytes(s.total_bytes)}: " + ", ".join(parts)
     line += f"; gradients {fmt_bytes(s.gradient_bytes)} are inside each peak"
     if w.device_memory_bytes is not None:
-        line += f"; device {fmt_bytes(w.device_memory_bytes)} leaves {fmt_bytes(w.device_memory_bytes - s.total_bytes)}"
+        left = w.device_memory_bytes - s.total_bytes
+        line += (f"; device {fmt_bytes(w.device_memory_bytes)} leaves {fmt_bytes(left)} for activations" if left >= 0
+                 else f"; device {fmt_bytes(w.device_memory_bytes)} does not hold the static memory alone "
+                      f"({fmt_bytes(-left)} short): no schedule fits")
     return line
 
 
