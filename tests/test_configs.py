@@ -110,3 +110,15 @@ def test_a_meta_config_sweep_is_predicted_only(tmp_path):
     for row in doc["rows"]:
         assert row["measured_peak_bytes"] is None and row["predicted_only"] is True
         assert row["predicted_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("device,words", [
+    ("64KiB", ["does not hold the static memory alone", "no schedule fits", "0 of 6 schedules"]),
+    ("1GiB", ["leaves", "for activations", "6 of 6 schedules"]),
+])
+def test_sweep_says_what_fits_the_device(tmp_path, capsys, device, words):
+    assert main(["sweep", "--config", _write(tmp_path, TINY_LLAMA), "--meta", "--seq", "16",
+                 "--device-memory", device]) == 0
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
