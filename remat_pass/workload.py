@@ -34,6 +34,7 @@ from .configs import (
     build_factory,
     build_from_config,
     check_spec,
+    differing_layer,
     default_task,
     describe,
     fits_in_memory,
@@ -256,6 +257,10 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
             fake = True
         reusable = (fake and not o.trace_all_layers and num_layers > TEMPLATE_LAYERS
                     and not getattr(config, "is_encoder_decoder", False) and o.autocast is None)
+        unlike = differing_layer(config, spec) if reusable else None
+        if unlike is not None:
+            log(f"{unlike}: the layers are not all alike, so every one of the {num_layers} layers is traced")
+            reusable = False
         what = f"{describe(config)}, task {spec.task}, {spec.dtype}, batch {spec.batch}, seq {spec.seq}"
         if reusable:
             template_spec = dataclasses.replace(spec, layers=TEMPLATE_LAYERS, meta=True)

@@ -5,6 +5,8 @@ storage and step by step, for every Megatron schedule and optimized ones."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite
 from remat_pass.symbolic import SymbolicModel
 from remat_pass.trace import trace_joint
+from remat_pass.workload import WorkloadOptions, load_workload
 
 from conftest import load_hetero, small_tiny_gpt
 
@@ -159,3 +162,40 @@ def test_chain_model_from_reused_layers_is_the_full_one():
     assert reused.least_feasible() == full.least_feasible()
     budget = (reused.least_feasible()[1] + reused.unconstrained_peak_bytes) // 2
     assert reused.plan(budget).schedule == full.plan(budget).schedule
+
+
+UNLIKE_LAYERS = {  # six layers whose attention differs past the fourth: a 4-layer template never sees it
+    "gemma3_5_sliding_1_full": {"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "head_dim": 16, "vocab_size": 64, "max_position_embeddings": 32, "sliding_window": 8},
+    "qwen2_max_window_layers_4": {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                  "vocab_size": 64, "max_position_embeddings": 32, "use_sliding_window": True,
+                                  "sliding_window": 8, "max_window_layers": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNLIKE_LAYERS))
+def test_layers_unlike_past_the_template_are_all_traced(tmp_path, name):
+    """Gemma 3's 5:1 sliding/full pattern, Qwen2's max_window_layers: the layers are not
+    all alike, so the config model is traced whole and predicts what tracing every
+    layer predicts (the template predicted 20,480 B too much for Gemma 3, 49,152 B too
+    little for Qwen2)."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(UNLIKE_LAYERS[name]))
+    options = WorkloadOptions(config=str(path), meta=True, batch=1, seq=16, calibrate=False)
+    logged: list[str] = []
+    w = load_workload(options, log=logged.append)
+    assert w.reuse is None and any("not all alike" in line for line in logged), logged
+    full = load_workload(dataclasses.replace(options, trace_all_layers=True), log=lambda _: None)
+    for sched in schedules.megatron_schedules(6):
+        assert w.report(sched).peak_bytes == full.report(sched).peak_bytes, sched.provenance
+
+
+def test_a_stack_of_like_layers_is_still_reused(tmp_path):
+    config = dict(UNLIKE_LAYERS["qwen2_max_window_layers_4"], use_sliding_window=False)
+    path = tmp_path / "qwen2.json"
+    path.write_text(json.dumps(config))
+    w = load_workload(WorkloadOptions(config=str(path), meta=True, batch=1, seq=16, calibrate=False),
+                      log=lambda _: None)
+    assert w.reuse is not None
