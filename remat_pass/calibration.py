@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from .measure import profile_memory_events
 from .memory_model import MemoryModel, OpMemory
-from .op_signature import host_identity, layout_of, op_call, signature_of
+from .op_signature import host_identity, layout_of, op_call, recorded_values, signature_of, value_argument
 from .rewrite import RewrittenStep
 
 CACHE_ENV = "REMAT_PASS_CACHE_DIR"
@@ -151,6 +151,11 @@ class Calibrator:
             if any(t.device != "cpu" for t in sig.tensors):
                 self._failed[sig.key] = "calibration runs on the CPU only"
                 continue
+            values = value_argument(op_call(n))  # type: ignore[arg-type]
+            if isinstance(values, fx.Node) and recorded_values(values) is None:
+                self._failed[sig.key] = (f"its allocations depend on the values of {values.name} (how a router "
+                                         "splits the tokens among experts), which only a run of the step has")
+                continue
             todo[sig.key] = n
         if todo:
             t0 = time.perf_counter()
@@ -243,7 +248,9 @@ def _materialize(node: fx.Node) -> tuple[Any, tuple, dict]:
     """``(op, args, kwargs)`` of ``node``'s op with real CPU tensors laid out as the
     step's real run lays them out (``op_signature.layout_of``: the recorded real layout,
     else the FakeTensor's): same shapes, strides, offsets, dtypes, and one real storage
-    (the largest size seen) for the arguments that share a fake storage."""
+    (the largest size seen) for the arguments that share a fake storage; the values the
+    reference run recorded where the op's allocations depend on them
+    (``op_signature.VALUE_ARGUMENTS``), else ``_fill``'s."""
     call = op_call(node)
     assert call is not None
     sizes: dict[int, int] = {}
@@ -270,6 +277,9 @@ def _materialize(node: fx.Node) -> tuple[Any, tuple, dict]:
         stride, offset, _ = layout_of(a)  # type: ignore[misc]
         t = torch.empty(0, dtype=val.dtype)
         t.set_(storages[key], offset, tuple(int(s) for s in val.shape), stride)
+        values = recorded_values(a)
+        if values is not None:  # an argument whose values decide the op's allocations
+            t.copy_(torch.tensor(values, dtype=val.dtype).view(t.shape))
         return t
 
     args = fx.node.map_arg(call.args, real)

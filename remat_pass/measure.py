@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from .errors import UnsupportedGraph
 from .flat_step import _split_inputs, extract_loss
-from .op_signature import RealLayout
+from .op_signature import RealLayout, op_call, value_argument
 from .rewrite import RewrittenStep
 from .trace import JointGraph
 
@@ -80,6 +80,8 @@ def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout
         elif n.op == "call_function":
             a = fx.node.map_arg(n.args, env.__getitem__)
             k = fx.node.map_arg(n.kwargs, env.__getitem__)
+            if layouts is not None:
+                _record_values(n, env, layouts)
             try:
                 env[n] = n.target(*a, **k)
             except RuntimeError as e:
@@ -106,6 +108,17 @@ def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout
             env.pop(v, None)
     env.clear()
     return result
+
+
+def _record_values(node: fx.Node, env: dict[fx.Node, Any], layouts: dict[str, RealLayout]) -> None:
+    """Record in ``layouts`` the values of the argument of ``node``'s op whose values
+    decide its allocations (``op_signature.VALUE_ARGUMENTS``: ``_grouped_mm``'s offsets)."""
+    call = op_call(node)
+    src = value_argument(call) if call is not None else None
+    if isinstance(src, fx.Node) and isinstance(env.get(src), torch.Tensor):
+        value = env[src]
+        layout = layouts.get(src.name) or RealLayout.of(value)
+        layouts[src.name] = dataclasses.replace(layout, values=tuple(int(v) for v in value.flatten().tolist()))
 
 
 def _real_layout(node: fx.Node, value: Any) -> RealLayout | None:

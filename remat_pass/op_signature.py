@@ -26,6 +26,14 @@ run records every value whose real layout differs from the traced one
 (``measure.run_graph``, ``JointGraph.real_layouts``); the rewrite puts it on the nodes
 of the rewritten graphs (``node.meta[REAL_LAYOUT]``), and the signature, and the
 calibration run that rebuilds the arguments, use it.
+
+Values, for the few ops whose allocations depend on an integer tensor's values
+(``VALUE_ARGUMENTS``): ``aten._grouped_mm``'s CPU kernel (``_grouped_mm_fallback``,
+``aten/src/ATen/native/GroupedMMUtils.h``) runs one ``mm`` per group over the rows its
+``offs`` delimit, so its scratch depends on how many rows each group gets (a
+mixture-of-experts router's choice). The reference run records those values too
+(``RealLayout.values``); the signature keys on them and calibration fills them in. A
+step without weights has no values: calibration then sees the zeros it fills in.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 RNG_WRAPPERS = ("run_and_save_rng_state", "run_with_rng_state")
+VALUE_ARGUMENTS: dict[str, tuple[int, str]] = {"aten._grouped_mm": (2, "offs")}
+"""op overload packet -> (position, name) of the integer tensor argument whose values
+decide the op's allocations."""
 REAL_LAYOUT = "remat_real_layout"
 """``node.meta`` key of the node's RealLayout, where the real run's differs from the
 traced FakeTensor's (absent: the traced layout is the real one)."""
@@ -52,11 +63,14 @@ class RealLayout:
         stride: strides in elements, one per dimension (the shape is the traced one).
         storage_offset: offset into the storage, in elements.
         storage_nbytes: bytes of the whole storage behind the tensor.
+        values: the tensor's values, flattened, for an argument of ``VALUE_ARGUMENTS``
+            (None: not recorded).
     """
 
     stride: tuple[int, ...]
     storage_offset: int
     storage_nbytes: int
+    values: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "RealLayout":
@@ -95,6 +109,7 @@ class TensorSpec:
         storage_nbytes: bytes of the whole storage behind the tensor.
         storage_group: arguments with the same group share one storage (numbered in
             argument order from 0).
+        values: the recorded values of a ``VALUE_ARGUMENTS`` tensor (None: unknown).
     """
 
     shape: tuple[int, ...]
@@ -104,6 +119,7 @@ class TensorSpec:
     device: str
     storage_nbytes: int
     storage_group: int
+    values: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -173,8 +189,9 @@ def _text(x: Any) -> str:
     """Deterministic text of signature arguments (tensors as shape, strides, offset,
     dtype, device, storage bytes and storage group)."""
     if isinstance(x, TensorSpec):
+        values = "" if x.values is None else "=" + ",".join(map(str, x.values))
         return (f"T[{','.join(map(str, x.shape))}][{','.join(map(str, x.stride))}]+{x.storage_offset}:"
-                f"{str(x.dtype).removeprefix('torch.')}:{x.device}:{x.storage_nbytes}#{x.storage_group}")
+                f"{str(x.dtype).removeprefix('torch.')}:{x.device}:{x.storage_nbytes}#{x.storage_group}{values}")
     if isinstance(x, (tuple, list)):
         return "(" + ",".join(_text(e) for e in x) + ")"
     return repr(x)  # numbers, strings, None, dtypes, devices, layouts, memory formats
@@ -223,7 +240,24 @@ def _spec(node: fx.Node, groups: dict[int, int]) -> TensorSpec:
     assert layout is not None
     stride, offset, nbytes = layout
     return TensorSpec(tuple(_concrete_int(s) for s in val.shape), stride, offset, val.dtype,
-                      val.device.type, nbytes, group)
+                      val.device.type, nbytes, group, recorded_values(node))
+
+
+def recorded_values(node: fx.Node) -> tuple[int, ...] | None:
+    """The values the reference run recorded for ``node``'s tensor (``RealLayout.values``),
+    or None."""
+    real = node.meta.get(REAL_LAYOUT)
+    return real.values if isinstance(real, RealLayout) else None
+
+
+def value_argument(call: OpCall) -> Any:
+    """The fx argument of ``call`` whose values decide its allocations
+    (``VALUE_ARGUMENTS``), or None."""
+    where = VALUE_ARGUMENTS.get(str(call.op.overloadpacket))
+    if where is None:
+        return None
+    index, name = where
+    return call.args[index] if index < len(call.args) else call.kwargs.get(name)
 
 
 def _spec_tree(x: Any, groups: dict[int, int]) -> Any:
