@@ -34,7 +34,9 @@ failed, 2 bad input (the message on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from .cli_parallel import add_parallel_args
@@ -44,6 +46,7 @@ from .cli_sweep import add_policy_args, cmd_sweep
 from .cli_workload import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # what main returns, also for its callers
 from .cli_workload import add_model_args, add_schedule_args, positive_int
 from .errors import RematError
+from .formatting import parse_bytes
 from .op_planner import CostModel
 
 
@@ -120,11 +123,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OUTPUTS = ("json", "markdown", "png")
+INPUTS = ("config", "baseline", "report", "graph")
+
+
+def check_paths_and_sizes(args: argparse.Namespace) -> None:
+    """What can be checked before any model is built: input files exist, output files
+    can be written where asked (not a folder; the nearest existing folder above them is
+    writable, the rest is made), sizes parse.
+
+    Raises:
+        ValueError: the option is named, with what is wrong.
+    """
+    for name in INPUTS:
+        path = getattr(args, name, None)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"--{name} {path}: no such file")
+    for name in OUTPUTS:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ValueError(f"--{name} {path}: is a folder; give a file name")
+        folder = Path(path).absolute().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--{name} {path}: {folder} is not a folder this user can write to")
+    for name in ("budget", "device_memory"):
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                parse_bytes(value)
+            except ValueError as e:
+                raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat-pass`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_paths_and_sizes(args)
         return args.func(args)
     except (RematError, ValueError, ImportError, OSError) as e:
         print(f"remat-pass: error: {e}", file=sys.stderr)

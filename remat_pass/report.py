@@ -69,7 +69,8 @@ def _saving(r: ScheduleResult) -> str:
 
 
 def write_json(path: str | Path, payload: Any) -> None:
-    """Write ``payload`` as indented JSON (UTF-8)."""
+    """Write ``payload`` as indented JSON (UTF-8), creating the folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 

@@ -122,3 +122,24 @@ def test_sweep_says_what_fits_the_device(tmp_path, capsys, device, words):
     err = capsys.readouterr().err
     for w in words:
         assert w in err, err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["sweep", "--json", "{tmp}"], ["--json", "is a folder"]),
+    (["sweep", "--config", "{tmp}/missing.json"], ["--config", "no such file"]),
+    (["plan", "--budget", "lots"], ["--budget", "'lots' is not a number of bytes"]),
+    (["sweep", "--device-memory", "80GB!"], ["--device-memory"]),
+    (["check", "--baseline", "{tmp}/none.json"], ["--baseline", "no such file"]),
+])
+def test_paths_and_sizes_are_checked_before_any_model_is_built(tmp_path, capsys, argv, words):
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "tracing" not in err and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+
+
+def test_a_json_file_in_a_new_folder_is_written(tmp_path):
+    out = tmp_path / "new" / "folder" / "rows.json"
+    assert main(["sweep", "--model", "remat_pass.models:linear_chain", "--layers", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"]
