@@ -98,14 +98,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sm = trace_symbolic(model, inputs, loss_fn, default_symbols(inputs), layers=args.stack)
         rows = max_batch_rows(sm, budget)
         print(f"largest batch within {budget} bytes ({fmt_bytes(budget)}), "
-              f"{', '.join(f'{k}={v}' for k, v in sm.hints.items() if k != 'batch')}:")
+              f"{', '.join(f'{k}={v}' for k, v in sm.hints.items() if k != 'batch')} "
+              "(predicted peaks, by the symbolic model; nothing was run at these batches):")
         print(text_table(
             ["schedule", "largest batch", "peak MiB", "peak at batch+1 MiB"],
             [[r["schedule"], str(r["batch"]), mib(r["peak_bytes"]) if r["peak_bytes"] is not None else "-",
               mib(r["next_peak_bytes"])] for r in rows],
         ))
         if args.json:
-            write_json(args.json, {"budget_bytes": budget, "rows": rows})
+            write_json(args.json, {"budget_bytes": budget, "predicted_only": True, "rows": rows})
         return EXIT_OK
     if not args.budget and not args.device_memory:
         raise ValueError("plan needs --budget SIZE (activation bytes) or --device-memory SIZE")
