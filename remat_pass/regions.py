@@ -202,9 +202,11 @@ def _named_stacks(model: torch.nn.Module, containers: Mapping[str, torch.nn.Modu
     out: dict[str, list[str]] = {}
     for path in paths:
         if not isinstance(path, str) or path not in containers:
+            exists = isinstance(path, str) and path in dict(model.named_modules())
+            named = sorted(repr(c) if c else "'' (the model itself)" for c in containers)
             raise LayerStackNotFound(
-                f"layers={path!r} is not an nn.ModuleList or nn.Sequential of "
-                f"{type(model).__name__}; those it has: {sorted(containers) or 'none'}"
+                f"layers={path!r} " + ("is not an nn.ModuleList or nn.Sequential" if exists else "names no module")
+                + f" of {type(model).__name__}; its ModuleLists / Sequentials: {', '.join(named) or 'none'}"
             )
         if path in out:
             raise LayerStackNotFound(f"layers= names the stack {path!r} twice")
