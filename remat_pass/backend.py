@@ -87,7 +87,7 @@ from .backend_graph import (
     shape_hints,
     write_graph_report,
 )
-from .backend_options import (
+from .backend_options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's public names
     REPORT_DIR_ENV,
     BackendOptions,
     InvalidBackendOption,

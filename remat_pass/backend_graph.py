@@ -89,6 +89,7 @@ class BackendGraph:
 
     @property
     def graph_id(self) -> str:
+        """Dynamo's id of this graph (``"0/1"``: frame 0, graph 1), from its CompileInfo."""
         return self.info.graph_id
 
 

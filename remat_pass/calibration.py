@@ -4,7 +4,9 @@ For one op signature (``op_signature``) the calibration builds real inputs with 
 same shapes, strides, storage offsets, dtypes and storage sharing as the values of the
 step's real run (the traced FakeTensors', or the real layout the reference run recorded
 where an op's meta function and kernel disagree: ``op_signature.REAL_LAYOUT``) (floating values normal, integer and bool values zero: a valid index,
-target, mask for every op seen), runs the op twice to warm up (oneDNN and MKL build
+target, mask for every op seen; the recorded values where an op's allocations depend on
+them, ``op_signature.VALUE_ARGUMENTS``, and such an op is not calibrated at all when
+none were recorded), runs the op twice to warm up (oneDNN and MKL build
 their state on the first calls), then ``repeats`` times inside
 ``record_function`` windows of one profiler session (``measure.profile_memory_events``,
 the measuring path of the step itself, collector paused). In each window the
@@ -146,15 +148,17 @@ class Calibrator:
             if sig is None:
                 continue
             keys.append(sig.key)
+            values = value_argument(op_call(n))  # type: ignore[arg-type]
+            if isinstance(values, fx.Node) and recorded_values(values) is None:
+                # before the cache: an older cache holds this key calibrated with zeros
+                self._entries.pop(sig.key, None)
+                self._failed[sig.key] = (f"its allocations depend on the values of {values.name} (how a router "
+                                         "splits the tokens among experts), which only a run of the step has")
+                continue
             if sig.key in self._entries or sig.key in self._failed or sig.key in todo:
                 continue
             if any(t.device != "cpu" for t in sig.tensors):
                 self._failed[sig.key] = "calibration runs on the CPU only"
-                continue
-            values = value_argument(op_call(n))  # type: ignore[arg-type]
-            if isinstance(values, fx.Node) and recorded_values(values) is None:
-                self._failed[sig.key] = (f"its allocations depend on the values of {values.name} (how a router "
-                                         "splits the tokens among experts), which only a run of the step has")
                 continue
             todo[sig.key] = n
         if todo:

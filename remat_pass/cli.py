@@ -43,7 +43,7 @@ from .cli_parallel import add_parallel_args
 from .cli_plan import cmd_model, cmd_plan
 from .cli_report import cmd_check, cmd_inspect, cmd_report
 from .cli_sweep import add_policy_args, cmd_sweep
-from .cli_workload import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # what main returns, also for its callers
+from .cli_workload import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: F401 - what main returns, also for its callers
 from .cli_workload import add_model_args, add_schedule_args, positive_int
 from .errors import RematError
 from .formatting import parse_bytes

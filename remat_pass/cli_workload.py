@@ -18,11 +18,12 @@ from .calibration import CACHE_ENV
 from .configs import DTYPES, TASKS
 from .cuda_target import GPUS
 from .formatting import fmt_bytes
+from .gate import EXIT_FAILED, EXIT_OK  # noqa: F401 - the exit codes every command returns
 from .static_memory import OPTIMIZERS
 from .sweep import Session
 from .workload import DEFAULT_MODEL, TARGETS, Workload, WorkloadOptions, load_workload
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2  # ok; a gate or gradient check failed; bad input
+EXIT_USAGE = 2  # bad input; EXIT_OK (0) and EXIT_FAILED (1: a gate or gradient check failed) are the gate's
 
 
 def positive_int(text: str) -> int:

@@ -133,7 +133,7 @@ def load_config(path: str | Path) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{path}: field {given[0]} is {value!r}; it must be a positive integer")
         shape[name] = value
-    if "head_dim" not in fields or model_type == "t5":
+    if "head_dim" not in fields and "d_kv" not in fields:
         # before transformers sees it: some versions refuse this in their own words, others not at all
         _check_heads(shape["hidden_size"], shape["num_attention_heads"], str(path))
     fields.pop("transformers_version", None)
@@ -166,10 +166,11 @@ def check_config(config: Any, where: str = "config") -> None:
 
     Raises:
         ConfigError: the heads do not divide the hidden size (when no explicit
-            ``head_dim`` is given), or the key/value heads do not divide the heads.
+            ``head_dim`` or ``d_kv`` is given), or the key/value heads do not divide the heads.
     """
     hidden, heads = config.hidden_size, config.num_attention_heads
-    explicit_head_dim = "head_dim" in config.to_diff_dict() and config.model_type != "t5"
+    # T5 / mT5 / UMT5 give each head's size as d_kv: their heads need not divide d_model
+    explicit_head_dim = ("head_dim" in config.to_diff_dict() and config.model_type != "t5") or hasattr(config, "d_kv")
     if not explicit_head_dim:
         _check_heads(hidden, heads, where)
     kv = getattr(config, "num_key_value_heads", None)
@@ -352,7 +353,7 @@ def differing_layer(config: Any, spec: ModelSpec) -> str | None:
     for path, kids in find_layer_stacks(model):
         sigs = [layer_signature(modules[f"{path}.{kid}"]) for kid in kids]
         numbering = _numbering(sigs)
-        keys = sorted(set().union(*sigs) - numbering)
+        keys = sorted(set().union(*sigs) - numbering, key=lambda k: (not k.endswith(":class"), k.count("."), k))
         for i, sig in enumerate(sigs[1:], 1):
             key = next((k for k in keys if sig.get(k) != sigs[0].get(k)), None)
             if key is not None:

@@ -7,7 +7,7 @@ steps of one layer, which depend only on the layer's *role* in the schedule (``S
 stored, ``G1`` a group of one, ``F`` / ``M`` / ``E`` first / middle / last of a larger
 group; the top layer of a group has its backward split in two parts around the group's
 recompute), and the outer steps (``pre``, ``head_fw``, ``head_bw``, ``post``). The
-blocks come in the order the rewrite runs them (``schedule.py``): ``pre``, the forward
+blocks come in the order the rewrite runs them (``rewrite.py``): ``pre``, the forward
 of layers 0..L-1, ``head_fw``, ``head_bw``, then from layer L-1 down to 0 the layer's
 backward, with its group's recompute (layers in order) inside the top layer's backward;
 ``post``.
@@ -30,7 +30,10 @@ itself or a neighbour, the read table must be consistent across observations, ea
 template's own intervals must be reproduced exactly, and ``tests/test_layer_reuse.py``
 compares the result with the full rewrite of L-layer traces for every Megatron
 schedule. A model that breaks one (heterogeneous layers, outer ops between layer
-blocks) raises ``UnsupportedGraph``; analyse it in full instead.
+blocks) raises ``UnsupportedGraph``; analyse it in full instead. Layers past the
+template's are never seen here, so a stack whose layers differ only beyond
+``TEMPLATE_LAYERS`` (Gemma 3's sliding / full pattern) must be caught by the caller:
+``workload`` reuses layers only when ``configs.differing_layer`` finds them all alike.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Under a layer-level schedule every layer has a *role*: ``S`` stored, ``G1`` a group of
 one, ``F`` / ``M`` / ``E`` first / middle / last of a larger group. The rewritten step
-(``schedule.py``) runs its blocks in this order: ``pre``, the forward of layers
+(``rewrite.py``) runs its blocks in this order: ``pre``, the forward of layers
 0..L-1, ``head_fw``, ``head_bw``, then from layer L-1 down to 0 the layer's backward,
 with its group's recompute (layers in order) inside the top layer's backward (split in
 two parts around it); ``post``. A block's steps depend only on its layer's role, so
@@ -21,7 +21,6 @@ from .schedule import Schedule
 
 ROLES = ("S", "G1", "F", "M", "E")
 TEMPLATE_LAYERS = 4
-OUTER_BLOCKS = ("pre", "head_fw", "head_bw", "post")
 _FOLLOWS = {"S": ("S", "G1", "F"), "G1": ("S", "G1", "F"), "E": ("S", "G1", "F"), "F": ("M", "E"), "M": ("M", "E")}
 
 

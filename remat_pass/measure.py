@@ -49,7 +49,9 @@ def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout
             if their memory should be released.
         layouts: when given, filled with the RealLayout of every call_function node
             whose real tensor value differs in strides, storage offset or storage bytes
-            from its traced FakeTensor (``node.meta["val"]``), by node name.
+            from its traced FakeTensor (``node.meta["val"]``), by node name, and with the
+            values (``RealLayout.values``) of every node that is the argument of an op in
+            ``op_signature.VALUE_ARGUMENTS``.
 
     Returns:
         The output node's values as a flat list.

@@ -33,7 +33,8 @@ Values, for the few ops whose allocations depend on an integer tensor's values
 ``offs`` delimit, so its scratch depends on how many rows each group gets (a
 mixture-of-experts router's choice). The reference run records those values too
 (``RealLayout.values``); the signature keys on them and calibration fills them in. A
-step without weights has no values: calibration then sees the zeros it fills in.
+step without weights has no values: calibration does not run such an op; it is listed
+as not calibrated, with the reason, and the formula table's figure (none) is used.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ VALUE_ARGUMENTS: dict[str, tuple[int, str]] = {"aten._grouped_mm": (2, "offs")}
 decide the op's allocations."""
 REAL_LAYOUT = "remat_real_layout"
 """``node.meta`` key of the node's RealLayout, where the real run's differs from the
-traced FakeTensor's (absent: the traced layout is the real one)."""
+traced FakeTensor's or where its values were recorded (absent: the traced layout is the
+real one, no values)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,8 @@ class JointGraph:
         real_layouts: joint node name -> the ``op_signature.RealLayout`` its value
             really has on CPU, for the values whose real strides, storage offset or
             storage bytes differ from the traced FakeTensor's (an op whose meta function
-            and kernel disagree); filled from a run of the step
+            and kernel disagree), and with the values of the arguments an op's memory
+            depends on (``op_signature.VALUE_ARGUMENTS``); filled from a run of the step
             (``sweep.Session.check_runs``), empty until then. The rewrite puts them on
             its nodes, and calibration uses them.
     """

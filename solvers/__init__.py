@@ -10,6 +10,10 @@
   (``predict(groups) -> bytes``), re-solving tighter when the model overshoots.
 - ``solvers.poly``: integer polynomials in shape symbols (symbolic sizes).
 - ``solvers.closed_forms``: Megatron uniform / block peaks in closed form (sympy).
+- ``solvers.oplevel``: one layer's exact Pareto front of saved bytes against recompute
+  cost (integer programs, HiGHS through ``scipy.optimize.milp``).
+- ``solvers.theoretical_memory``: Megatron-LM's theoretical activation bytes
+  (Korthikanti et al. 2022), for comparison with liveness.
 - ``solvers.errors``: the error types (re-exported by ``remat_pass.errors``).
 """
 

@@ -29,6 +29,9 @@ from remat_pass.regions import assign_layers
 from remat_pass.rewrite import rewrite
 from remat_pass.symbolic import SymbolicModel
 from remat_pass.trace import trace_joint
+from remat_pass.configs import ModelSpec, build_from_config, load_config
+from remat_pass.layer_roles import TEMPLATE_LAYERS
+from remat_pass.sweep import Session
 from remat_pass.workload import WorkloadOptions, load_workload
 
 from conftest import load_hetero, small_tiny_gpt
@@ -167,10 +170,10 @@ def test_chain_model_from_reused_layers_is_the_full_one():
 UNLIKE_LAYERS = {  # six layers whose attention differs past the fourth: a 4-layer template never sees it
     "gemma3_5_sliding_1_full": {"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
                                 "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                "head_dim": 16, "vocab_size": 64, "max_position_embeddings": 32, "sliding_window": 8},
+                                "head_dim": 16, "vocab_size": 64, "max_position_embeddings": 64, "sliding_window": 8},
     "qwen2_max_window_layers_4": {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
                                   "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                  "vocab_size": 64, "max_position_embeddings": 32, "use_sliding_window": True,
+                                  "vocab_size": 64, "max_position_embeddings": 64, "use_sliding_window": True,
                                   "sliding_window": 8, "max_window_layers": 4},
 }
 
@@ -183,13 +186,19 @@ def test_layers_unlike_past_the_template_are_all_traced(tmp_path, name):
     little for Qwen2)."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(UNLIKE_LAYERS[name]))
-    options = WorkloadOptions(config=str(path), meta=True, batch=1, seq=16, calibrate=False)
+    options = WorkloadOptions(config=str(path), meta=True, batch=2, seq=32, calibrate=False)
     logged: list[str] = []
     w = load_workload(options, log=logged.append)
     assert w.reuse is None and any("not all alike" in line for line in logged), logged
     full = load_workload(dataclasses.replace(options, trace_all_layers=True), log=lambda _: None)
     for sched in schedules.megatron_schedules(6):
         assert w.report(sched).peak_bytes == full.report(sched).peak_bytes, sched.provenance
+    # negative control: the 4-layer template, had it been reused, predicts other peaks
+    config = load_config(path)
+    spec = ModelSpec(task="causal-lm", meta=True, batch=2, seq=32, layers=TEMPLATE_LAYERS)
+    session = Session.create(*build_from_config(config, spec), fake=True)
+    reuse = ReusedLayers(session.joint, session.stack, 6, "cpu")
+    assert any(reuse.report(s).peak_bytes != full.report(s).peak_bytes for s in schedules.megatron_schedules(6))
 
 
 def test_a_stack_of_like_layers_is_still_reused(tmp_path):

@@ -90,3 +90,46 @@ def test_prediction_refuses_a_step_that_cannot_run():
     with pytest.raises(UnsupportedGraph, match=r"cannot run: node view\w* \(aten\.view\.default\)") as e:
         session.report(schedules.none(session.stack.layers_per_stack))
     assert "native_dropout_backward" in str(e.value)
+
+
+def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():
+    """``aten._grouped_mm`` (transformers' MoE kernel) allocates by its offsets' values:
+    the reference run records them on the offsets node, the op signature carries them,
+    and a step whose values are unknown (a fake trace of the same model) gets no
+    calibrated figure for the op, with the reason."""
+    transformers = pytest.importorskip("transformers")
+    from remat_pass.fake_trace import trace_joint_fake
+    from remat_pass.hf_families import mixtral
+    from remat_pass.op_signature import VALUE_ARGUMENTS, op_call, recorded_values, value_argument
+    from remat_pass.regions import assign_layers
+    from remat_pass.rewrite import rewrite
+
+    transformers.logging.set_verbosity_error()
+    model, inputs, _ = mixtral(layers=2, hidden=32, seq=16, experts_implementation=None)
+    model = model.to(torch.bfloat16)
+    session = Session.create(model, inputs)
+    session.check_runs()
+    sched = schedules.none(2)
+    step = session.prepare(sched)[0]
+
+    def grouped(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [n for n in gm.graph.nodes if (c := op_call(n)) is not None and str(c.op.overloadpacket) in VALUE_ARGUMENTS]
+
+    nodes = grouped(step.forward) + grouped(step.backward)
+    assert nodes
+    for n in nodes:
+        offs = value_argument(op_call(n))
+        values = recorded_values(offs)
+        assert values is not None and len(values) == offs.meta["val"].numel() and values[-1] > 0, n.name
+    memory = session.memory_model(step)
+    assert all(memory.node_memory(n).source == "calibrated" for n in nodes)
+
+    with torch.device("meta"):
+        meta_model = type(model)(model.config).to(torch.bfloat16).train()
+    meta_inputs = {k: torch.empty_like(v, device="meta") for k, v in inputs.items()}
+    fake = trace_joint_fake(meta_model, meta_inputs)
+    fake_step = rewrite(fake, assign_layers(fake), sched)
+    fake_memory = session.memory_model(fake_step)
+    for n in grouped(fake_step.forward) + grouped(fake_step.backward):
+        m = fake_memory.node_memory(n)
+        assert m.source != "calibrated" and "router" in m.detail, (n.name, m)

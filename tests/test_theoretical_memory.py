@@ -15,8 +15,8 @@ from solvers.theoretical_memory import (
     outer_activation_bytes,
 )
 
-# GPT-3 175B's shape (Korthikanti et al. 2022, Table 3), micro-batch 1
-GPT3 = TransformerShape(seq=2048, micro_batch=1, hidden=12288, ffn_hidden=4 * 12288, num_heads=96,
+# GPT-3 175B's shape (Korthikanti et al. 2022, Table 3), micro-batch 2
+GPT3 = TransformerShape(seq=2048, micro_batch=2, hidden=12288, ffn_hidden=4 * 12288, num_heads=96,
                         num_layers=96, vocab=51200)
 
 
@@ -38,7 +38,7 @@ def test_megatron_generalises_the_mlp_term():
 @pytest.mark.parametrize("k", [1, 2, 5, 96])
 def test_uniform_saves_a_checkpoint_per_group_and_rebuilds_one_group(k):
     got = megatron_activation_bytes(GPT3, "uniform", k)
-    sbh = GPT3.seq * GPT3.hidden
+    sbh = GPT3.seq * GPT3.micro_batch * GPT3.hidden
     assert got == math.ceil(96 / k) * 2 * sbh + k * 34 * sbh + outer_activation_bytes(GPT3)
 
 
@@ -49,12 +49,12 @@ def test_block_limits():
     # block(N=L) is uniform(K=1): L checkpoints and one rebuilt layer
     assert megatron_activation_bytes(GPT3, "block", 96) == megatron_activation_bytes(GPT3, "uniform", 1)
     full_attention = megatron_activation_bytes(GPT3, "none", attention="none")
-    assert full_attention - none == 96 * 5 * 96 * 2048 * 2048
+    assert full_attention - none == 96 * 5 * 96 * 2048 * 2048 * GPT3.micro_batch
 
 
 def test_outer_terms():
-    s, h, v = GPT3.seq, GPT3.hidden, GPT3.vocab
-    assert outer_activation_bytes(GPT3) == 8 * s + s * h + 4 * s * h * (1 + v // h) + 4 * s * (v % h)
+    s, b, h, v = GPT3.seq, GPT3.micro_batch, GPT3.hidden, GPT3.vocab
+    assert outer_activation_bytes(GPT3) == 8 * s * b + s * b * h + 4 * s * b * h * (1 + v // h) + 4 * s * b * (v % h)
 
 
 @pytest.mark.parametrize("call", [
