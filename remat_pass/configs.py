@@ -340,14 +340,21 @@ def differing_layer(config: Any, spec: ModelSpec) -> str | None:
     """Why the layers of ``config``'s model are not all alike, or None when they are:
     the first layer whose ``layer_signature`` differs from layer 0's in any stack of the
     model (built on the meta device; the attribute that numbers the layers left out),
-    and the first attribute that differs. A sliding-window pattern (``layer_types``:
-    Gemma 3's five sliding layers and one full one, Qwen2's ``max_window_layers``) or
-    MoE layers every other layer show here.
+    and the first attribute that differs; or a per-layer list of the config (one entry
+    a layer) whose entries differ, which the model's forward may read without any
+    module showing it (Llama 4's ``layer_types`` picks each layer's mask). A
+    sliding-window pattern (Gemma 3's five sliding layers and one full one, Qwen2's
+    ``max_window_layers``) or MoE layers every other layer show here.
 
     Raises:
         ConfigError: see ``check_spec``.
     """
     check_spec(config, spec)
+    num_layers = config.num_hidden_layers
+    for key, value in sorted(config.to_dict().items()):  # per-layer lists the forward reads
+        if isinstance(value, (list, tuple)) and len(value) == num_layers > 1 and len(set(map(repr, value))) > 1:
+            i = next(i for i, v in enumerate(value) if v != value[0])
+            return f"layer {i} differs from layer 0 in the config ({key}[{i}] = {value[i]!r}, not {value[0]!r})"
     model = _instantiate(config, dataclasses.replace(spec, meta=True))
     modules = dict(model.named_modules())
     for path, kids in find_layer_stacks(model):

@@ -168,6 +168,13 @@ def test_chain_model_from_reused_layers_is_the_full_one():
 
 
 UNLIKE_LAYERS = {  # six layers whose attention differs past the fourth: a 4-layer template never sees it
+    # identical modules; the forward picks each layer's mask from config.layer_types
+    "llama4_full_then_chunked": {"model_type": "llama4_text", "hidden_size": 32, "intermediate_size": 64,
+                                 "intermediate_size_mlp": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
+                                 "max_position_embeddings": 64, "pad_token_id": 0, "moe_layers": [],
+                                 "no_rope_layers": [1] * 6, "attention_chunk_size": 4,
+                                 "layer_types": ["full_attention"] * 4 + ["chunked_attention"] * 2},
     "gemma3_5_sliding_1_full": {"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
                                 "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1,
                                 "head_dim": 16, "vocab_size": 64, "max_position_embeddings": 64, "sliding_window": 8},
@@ -180,7 +187,8 @@ UNLIKE_LAYERS = {  # six layers whose attention differs past the fourth: a 4-lay
 
 @pytest.mark.parametrize("name", sorted(UNLIKE_LAYERS))
 def test_layers_unlike_past_the_template_are_all_traced(tmp_path, name):
-    """Gemma 3's 5:1 sliding/full pattern, Qwen2's max_window_layers: the layers are not
+    """Gemma 3's 5:1 sliding/full pattern, Qwen2's max_window_layers, Llama 4's
+    layer_types read only by the model's forward: the layers are not
     all alike, so the config model is traced whole and predicts what tracing every
     layer predicts (the template predicted 20,480 B too much for Gemma 3, 49,152 B too
     little for Qwen2)."""
