@@ -1,0 +1,132 @@
+"""How the torch.compile backend chooses one compiled graph's schedule.
+
+``GraphScheduler`` holds the backend's options and its op-scratch calibrator and gives,
+for one graph Dynamo captured: the memory model of a concrete step (calibrated on this
+CPU, else the formula table), the predicted report of a schedule, the optimized
+schedule under ``budget_bytes`` (``planner.Planner``), and the op-level Partition
+(``op_planner.OpPlanner``, or a module-kind / save policy). The backend
+(``backend.RematBackend``) composes the graphs of a step; this module sees one graph,
+and keeps each graph's op-level planner and choice (``op_plans``) for the step's
+re-planning (``step_op_planning``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..recompute import schedule as schedules
+from .options import BackendOptions
+from ..memory.calibration import Calibrator
+from .compiled_graphs import GraphReport
+from ..errors import InfeasibleBudget, UnsupportedGraph
+from .graph_transforms import concrete_step, is_symbolic_tensor
+from ..liveness.timeline import MemoryReport, analyze
+from ..memory.memory_model import MemoryModel
+from solvers import Solution, model_peak
+
+from ..plan.op_planner import CostModel, OpPlanner
+from ..recompute.partition import Partition
+from ..plan.planner import Planner
+from ..recompute.policies import recompute_modules, save_policy
+from ..graph.regions import LayerStack
+from ..recompute.rewrite import rewrite
+from ..graph.trace import JointGraph
+
+
+class GraphScheduler:
+    """The schedule of one compiled graph under the backend's options (see the module
+    docstring); the calibrator is made on first use and kept for every graph."""
+
+    def __init__(self, options: BackendOptions):
+        self.options = options
+        self._calibrator: Calibrator | None = None
+        self.op_plans: dict[str, tuple[OpPlanner, Solution]] = {}  # graph id -> planner, its choice
+
+    def memory_model(self, step: Any, allocator: str) -> MemoryModel:
+        """The memory model of a concrete step: op scratch calibrated on this CPU
+        (``calibrate`` option; the table for a CUDA allocator), else the table only."""
+        if not self.options.calibrate or allocator != "cpu":
+            return MemoryModel.table_only(allocator)
+        if self._calibrator is None:
+            self._calibrator = Calibrator()
+        return self._calibrator.memory_model([step], allocator)
+
+    def predict(self, joint: JointGraph, stack: LayerStack, schedule: schedules.Schedule | Partition,
+                allocator: str) -> MemoryReport:
+        """The predicted report of ``schedule`` on the graph at its example sizes."""
+        concrete = concrete_step(rewrite(joint, stack, schedule))[0]
+        return analyze(concrete, memory=self.memory_model(concrete, allocator))
+
+    def optimized(self, joint: JointGraph, stack: LayerStack, graph_id: str, frame_id: Any, partial: bool,
+                  allocator: str, earlier: Sequence[GraphReport]) -> schedules.Schedule:
+        """The least-recompute schedule whose predicted peak fits ``budget_bytes``
+        (``planner.Planner`` on this graph: chain-model solve, checked by liveness).
+
+        A graph with symbolic sizes reuses the groups chosen for the latest concrete
+        graph of its frame (``earlier``: the reports so far) with the same number of
+        layers. A graph that may be part of a step of several graphs (``partial``)
+        whose least feasible peak is above the budget gets its least feasible
+        schedule: the step decides after its first run (the graph's own peak is not
+        the step's).
+
+        Raises:
+            InfeasibleBudget: the budget is below the least feasible peak of a graph
+                that holds the whole step.
+            UnsupportedGraph: a symbolic graph with no earlier concrete graph to follow.
+        """
+        symbolic = any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes)
+        if symbolic:
+            for r in reversed(earlier):
+                s = r.step.schedule
+                if r.frame_id == frame_id and not r.symbolic and s.num_layers == stack.num_layers:
+                    return s
+            raise UnsupportedGraph(
+                f"graph {graph_id}: schedule='optimized' solves on concrete sizes and "
+                "this graph's are symbolic with no earlier concrete graph of its frame; "
+                "compile with dynamic=False (torch.compile(..., dynamic=False))"
+            )
+        planner = Planner(joint, stack, lambda s: self.predict(joint, stack, s, allocator))
+        try:
+            return planner.plan(int(self.options.budget_bytes)).schedule
+        except InfeasibleBudget:
+            if not partial:
+                raise
+            return planner.least_feasible()[0]
+
+    def op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, graph_id: str,
+                 partial: bool = False) -> Partition:
+        """The op-level Partition of this graph: the op-level optimum under
+        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only; the planner and
+        its choice are kept in ``op_plans[graph_id]``), or the recompute modules / save
+        policy in the layers the schedule stores. A graph that may be part of a step of
+        several graphs (``partial``) whose least feasible peak is above the budget gets
+        its least feasible choice: the step decides after its first run.
+
+        Raises:
+            InfeasibleBudget: the budget is below the least feasible peak of a graph
+                that holds the whole step.
+            UnsupportedGraph: the op-level optimum of a graph with symbolic sizes.
+            InvalidSchedule: a module kind the graph's layers do not have, or a name
+                of a save policy that is not in the graph.
+        """
+        o = self.options
+        if o.schedule == "optimized":
+            if any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes):
+                raise UnsupportedGraph(
+                    f"graph {graph_id}: the op-level optimum solves on concrete sizes and this graph's "
+                    "are symbolic; compile with dynamic=False (torch.compile(..., dynamic=False))")
+            planner = OpPlanner(joint, stack, lambda p: self.predict(joint, stack, p, allocator),
+                                CostModel(o.flops_per_byte), allocator)
+            try:
+                plan = planner.plan(int(o.budget_bytes))
+                solution = model_peak(planner.costs, plan.groups, plan.options)
+            except InfeasibleBudget:
+                if not partial:
+                    raise
+                solution = planner.least_feasible().solution
+            self.op_plans[graph_id] = (planner, solution)
+            return planner.partition(solution)
+        groups = o.make_schedule(stack.num_layers)
+        if o.recompute_modules:
+            return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups)
+        return save_policy(joint, stack, o.policy, o.policy_names, groups)

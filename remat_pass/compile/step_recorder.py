@@ -1,0 +1,247 @@
+"""Records, while a model trains, which compiled graphs run in a step, in which order,
+and which graph's output each graph's input is: what ``step_flow`` needs to compose the
+graphs' timelines into the step's.
+
+``StepRecorder.wrap`` wraps the callable a backend hands back to Dynamo for one graph.
+Each call records, without holding any tensor:
+
+- the storages ``(data_ptr, nbytes)`` of its non-parameter tensor inputs and of its
+  outputs, so that an input of a later graph is matched to the output of an earlier
+  graph with the same storage (the latest one made before the call, in the step);
+- whether each leaf input's ``.grad`` is None (its gradient will be stolen into
+  ``.grad`` and kept) or not (added in place);
+- the shapes of its non-parameter inputs (the sizes of a graph compiled with dynamic
+  shapes);
+- an input made by an eager autograd op (its ``grad_fn`` is not a compiled graph's):
+  eager code runs between graphs, which the composition does not see.
+
+The backward order is observed with a pre-hook on the ``CompiledFunctionBackward`` node
+of each call's outputs (``Node.register_prehook``). No post-hook: with one, autograd's
+engine keeps a node's incoming gradients alive until the hooks run after it
+(``torch/csrc/autograd/engine.cpp``, ``call_function``), which would change the very
+memory being predicted. The end of a backward pass is observed with
+``Variable._execution_engine.queue_callback`` (run when the pass's graph task ends, as
+DistributedDataParallel does). A step starts with the first call after a backward has
+run, and ends with the backward pass in which every call's backward has run (or when
+the next step starts): then ``on_step_end(RecordedStep)`` is called. Raising from it
+raises out of ``loss.backward()`` (or out of the next step's first call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+COMPILED_BACKWARD = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function node
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedCall:
+    """One graph call of a step.
+
+    Attributes:
+        graph_id: the compiled graph.
+        inputs_from: per input, ``(call, output)`` of the earlier call whose output it
+            is (matched by storage), or None.
+        grad_kept: per input, True: a leaf whose ``.grad`` was None (its gradient is
+            kept); False: a leaf with a ``.grad`` (its gradient is added); None:
+            not a leaf that requires grad.
+        param_keys: per input, the parameter's ``data_ptr`` (None: not a parameter).
+        shapes: per input, its shape (tensors that are not parameters), its value
+            (ints) or None.
+        has_backward: an output has a compiled backward node.
+    """
+
+    graph_id: str
+    inputs_from: tuple[tuple[int, int] | None, ...]
+    grad_kept: tuple[bool | None, ...]
+    param_keys: tuple[int | None, ...]
+    shapes: tuple[Any, ...]
+    has_backward: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedStep:
+    """One training step as it ran.
+
+    Attributes:
+        index: the step's number (0: the first recorded step).
+        calls: the graph calls in forward order.
+        backward_order: indices of the calls whose backward ran, in the order they ran.
+        problems: why the step cannot be composed (a backward out of autograd's order,
+            a backward run twice, a forward after backward started); empty if none.
+        eager_inputs: inputs made by eager autograd ops (``"graph 1/0 input 3 from
+            EmbeddingBackward0"``): eager code runs between the graphs.
+    """
+
+    index: int
+    calls: tuple[RecordedCall, ...]
+    backward_order: tuple[int, ...]
+    problems: tuple[str, ...]
+    eager_inputs: tuple[str, ...]
+
+    def signature(self) -> tuple:
+        """What decides the composed step (calls, flow, shapes, backward order); equal
+        signatures compose to the same step."""
+        kept = self.grad_kept_in_order()
+        return (tuple((c.graph_id, c.inputs_from, k, c.shapes) for c, k in zip(self.calls, kept)),
+                self.backward_order)
+
+    def grad_kept_in_order(self) -> list[tuple[bool | None, ...]]:
+        """``grad_kept`` of every call, with a parameter read by several graphs kept
+        only by the first backward that runs (the later ones add into its ``.grad``)."""
+        kept = [list(c.grad_kept) for c in self.calls]
+        seen: set[int] = set()
+        for c in self.backward_order:
+            for i, key in enumerate(self.calls[c].param_keys):
+                if key is None or kept[c][i] is None:
+                    continue
+                if key in seen:
+                    kept[c][i] = False
+                seen.add(key)
+        return [tuple(k) for k in kept]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def _flat_outputs(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class _OpenStep:
+    def __init__(self, index: int):
+        self.index = index
+        self.calls: list[RecordedCall] = []
+        self.producers: dict[tuple[int, int], tuple[int, int]] = {}
+        self.pending: set[int] = set()
+        self.backward: list[int] = []
+        self.problems: list[str] = []
+        self.eager: list[str] = []
+        self.callback_queued = False
+
+    def close(self) -> RecordedStep:
+        return RecordedStep(self.index, tuple(self.calls), tuple(self.backward),
+                            tuple(self.problems), tuple(self.eager))
+
+
+class StepRecorder:
+    """Records the steps of the graphs it wraps (see the module docstring).
+
+    Args:
+        on_step_end: called with each finished RecordedStep.
+        on_problem: called with a message when a step that already ended turns out not
+            to be composable (a backward through its graphs runs again); may raise.
+    """
+
+    def __init__(self, on_step_end: Callable[[RecordedStep], None],
+                 on_problem: Callable[[str], None] | None = None):
+        self.on_step_end = on_step_end
+        self.on_problem = on_problem
+        self._open: _OpenStep | None = None
+        self._count = 0
+
+    def wrap(self, graph_id: str, compiled: Callable[..., Any], param_indices: Sequence[int]) -> "RecordedGraph":
+        """The callable to hand to Dynamo instead of ``compiled``."""
+        return RecordedGraph(self, graph_id, compiled, frozenset(param_indices))
+
+    def finish(self) -> None:
+        """End the open step now (e.g. before reading the log)."""
+        if self._open is not None and self._open.calls:
+            step, self._open = self._open.close(), None
+            self.on_step_end(step)
+
+    def _call(self, graph: "RecordedGraph", args: tuple) -> Any:
+        if self._open is not None and self._open.backward:
+            self.finish()
+        if self._open is None:
+            self._open = _OpenStep(self._count)
+            self._count += 1
+        step = self._open
+        index = len(step.calls)
+        inputs_from, kept, params, shapes = [], [], [], []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                inputs_from.append(None)
+                kept.append(None)
+                params.append(None)
+                shapes.append(a if isinstance(a, int) else None)
+                continue
+            leaf = a.requires_grad and a.grad_fn is None
+            kept.append((a.grad is None) if leaf else None)
+            if i in graph.param_indices:
+                inputs_from.append(None)
+                params.append(a.data_ptr())
+                shapes.append(None)
+                continue
+            src = step.producers.get(_storage_key(a))
+            inputs_from.append(src)
+            params.append(a.data_ptr() if leaf else None)
+            shapes.append(tuple(a.shape))
+            if src is None and a.grad_fn is not None and type(a.grad_fn).__name__ != COMPILED_BACKWARD:
+                step.eager.append(f"graph {graph.graph_id} input {i} from {type(a.grad_fn).__name__}")
+        out = graph.compiled(*args)
+        has_backward = False
+        for k, o in enumerate(_flat_outputs(out)):
+            if isinstance(o, torch.Tensor):
+                step.producers[_storage_key(o)] = (index, k)
+                node = o.grad_fn
+                if not has_backward and node is not None and type(node).__name__ == COMPILED_BACKWARD:
+                    has_backward = True
+                    node.register_prehook(lambda grads, c=index, s=step: self._backward_starts(s, c))
+        if has_backward:
+            step.pending.add(index)
+        step.calls.append(RecordedCall(graph.graph_id, tuple(inputs_from), tuple(kept), tuple(params),
+                                       tuple(shapes), has_backward))
+        return out
+
+    def _backward_starts(self, step: _OpenStep, c: int) -> None:
+        if step is not self._open:
+            # a step already ended (composed, reported): its graph runs backward again
+            # (retain_graph and a second backward): the step was not what was composed
+            if c in step.backward and self.on_problem is not None:
+                self.on_problem(f"the backward of {step.calls[c].graph_id} (call {c}) ran twice in one step "
+                                "(a second backward through a retained graph)")
+            return
+        if c in step.backward:
+            step.problems.append(f"the backward of {step.calls[c].graph_id} (call {c}) ran twice in one step")
+        elif step.backward and c > step.backward[-1]:
+            step.problems.append(
+                f"the backward of {step.calls[c].graph_id} (call {c}) ran after that of call "
+                f"{step.backward[-1]}, an earlier graph: not autograd's order for one loss.backward()")
+        step.backward.append(c)
+        step.pending.discard(c)
+        if not step.callback_queued:
+            step.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda s=step: self._pass_ends(s))
+
+    def _pass_ends(self, step: _OpenStep) -> None:
+        """A backward pass ended: the step ends with it when no call's backward is pending."""
+        step.callback_queued = False
+        if step is self._open and not step.pending:
+            self.finish()
+
+
+class RecordedGraph:
+    """A compiled graph's callable that records its calls into a StepRecorder.
+
+    Attributes:
+        graph_id: the graph.
+        compiled: the callable run (replaceable: ``replace`` swaps in a recompiled graph).
+        param_indices: inputs that are parameters or buffers.
+    """
+
+    def __init__(self, recorder: StepRecorder, graph_id: str, compiled: Callable[..., Any],
+                 param_indices: frozenset[int]):
+        self.recorder, self.graph_id, self.compiled, self.param_indices = recorder, graph_id, compiled, param_indices
+
+    def replace(self, compiled: Callable[..., Any]) -> None:
+        """Run ``compiled`` from the next call on (a re-planned or un-rewritten graph)."""
+        self.compiled = compiled
+
+    def __call__(self, *args: Any) -> Any:
+        return self.recorder._call(self, args)

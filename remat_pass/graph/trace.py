@@ -1,0 +1,400 @@
+"""Trace one training step (forward, loss, backward) into a single joint fx graph.
+
+The step is traced with AOTAutograd (`torch._functorch.aot_autograd.aot_function`) as a
+function of the model's parameters, buffers and input tensors, so there are no graph
+breaks: the joint graph holds every aten op of the forward and of the backward. Every
+node carries FakeTensor metadata in ``node.meta["val"]`` and the path of the module it
+came from in ``node.meta["nn_module_stack"]`` (forward) or
+``node.meta["fwd_nn_module_stack"]`` (backward, copied by AOTAutograd from the forward
+node with the same ``seq_nr``).
+
+The step is flattened first (``flat_step``: module paths recorded while it runs), a
+symbolic trace gets its fake primals from ``shape_symbols``, and a step that runs
+eagerly but cannot be traced is explained by ``untraceable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from ..errors import RematError, UnsupportedGraph
+from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
+from .op_signature import RealLayout
+from .shape_symbols import named_symbols, symbolic_trace_values
+from .untraceable import explain_untraceable, quiet_fake_tensor_log
+
+
+@dataclasses.dataclass
+class JointGraph:
+    """One training step as a joint forward+backward fx graph.
+
+    Attributes:
+        gm: the joint GraphModule. Placeholders are ``primals_*`` (one per flat input,
+            in the order of ``primal_values``) then ``tangents_*``; the output is a flat
+            list: ``num_fwd_outputs`` forward outputs (the loss, or a pipeline stage's
+            output activation) then one gradient per primal (None where the primal does
+            not require grad, and for opaque primals).
+        primals: names of the primal placeholders, in order.
+        tangents: names of the tangent placeholders, in order.
+        num_fwd_outputs: number of forward outputs (1: the scalar loss, or the output
+            activation of a pipeline stage traced with ``output="activation"``).
+        primal_values: the real values fed to the primals: parameters, then buffers,
+            then the tensors of the example inputs. A tensor subclass (a DTensor
+            parameter under tensor parallelism) is flattened as AOTAutograd flattens it
+            (``__tensor_flatten__``): its inner tensors (the local shard) and its
+            opaque attributes (the device mesh) each fill one primal.
+        primal_kinds: "param", "buffer" or "input" for each primal, or "opaque" for a
+            non-tensor attribute of a flattened tensor subclass.
+        primal_labels: the parameter / buffer name or "input[i]" for each primal
+            (``name.attr`` for the parts of a flattened subclass other than the first).
+        tangent_values: the real tangents: ``ones_like(loss)``, or for a stage the
+            incoming gradient of its output activation (``ones`` unless given).
+        output: ``"loss"`` (a whole training step) or ``"activation"`` (a pipeline
+            stage that is not the last: forward output 0 is the activation sent to the
+            next stage and its tangent is the gradient received from it).
+        model: the traced module (its parameters are the "param" primals); None for a
+            graph that Dynamo captured (the torch.compile backend sees no module, and
+            ``primal_values`` / ``tangent_values`` are then its fake example values).
+        symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
+            name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
+            used for the input dimensions given that name (``(s0, s2)``); empty for a
+            concrete trace.
+        shape_env: the ShapeEnv of a symbolic trace (None for a concrete trace).
+        fake: ``primal_values`` and ``tangent_values`` are FakeTensors (a model without
+            weights: built on the meta device, under FakeTensorMode or from a config).
+            The step can be rewritten and analysed, never run: every figure is
+            predicted only.
+        real_layouts: joint node name -> the ``op_signature.RealLayout`` its value
+            really has on CPU, for the values whose real strides, storage offset or
+            storage bytes differ from the traced FakeTensor's (an op whose meta function
+            and kernel disagree), and with the values of the arguments an op's memory
+            depends on (``op_signature.VALUE_ARGUMENTS``); filled from a run of the step
+            (``sweep.Session.check_runs``), empty until then. The rewrite puts them on
+            its nodes, and calibration uses them.
+    """
+
+    gm: fx.GraphModule
+    primals: list[str]
+    tangents: list[str]
+    num_fwd_outputs: int
+    primal_values: list[torch.Tensor]
+    primal_kinds: list[str]
+    primal_labels: list[str]
+    tangent_values: list[torch.Tensor]
+    model: torch.nn.Module | None
+    symbols: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shape_env: Any = None
+    fake: bool = False
+    output: str = "loss"
+    real_layouts: dict[str, RealLayout] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        """Number of primals that are model parameters (their indices:
+        ``param_indices``; they are the first primals unless a flattened tensor subclass
+        interleaves opaque primals)."""
+        return self.primal_kinds.count("param")
+
+    @property
+    def param_indices(self) -> tuple[int, ...]:
+        """Indices of the primals (and of their gradient outputs) that are parameters."""
+        return tuple(i for i, kind in enumerate(self.primal_kinds) if kind == "param")
+
+
+def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+_DATA_DEPENDENT_ERRORS = _data_dependent_errors()
+
+
+class _JointCaptured(Exception):
+    """Raised from the partition function to stop AOTAutograd once the joint exists."""
+
+    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int):
+        super().__init__("joint graph captured")
+        self.joint = joint
+        self.num_fwd_outputs = num_fwd_outputs
+
+
+def trace_joint(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: LossFn | None = None,
+    symbols: Mapping[str, Any] | None = None,
+    output: str = "loss",
+    tangent_values: Sequence[torch.Tensor] | None = None,
+) -> JointGraph:
+    """Trace ``loss = loss_fn(model(*example_inputs)); loss.backward()`` as one joint graph.
+
+    Args:
+        model: the module; it is traced in its current mode (``train()`` for dropout).
+        example_inputs: a Tensor, a tuple of positional arguments or a dict of keyword
+            arguments. Tensors among them become primals; other values are constants.
+        loss_fn: maps the model output to a scalar loss; None if the output is the loss
+            or carries ``.loss``.
+        symbols: None (default) for concrete shapes. Otherwise the input dimensions
+            that become named symbols: ``{"batch": [("input_ids", 0), ("labels", 0)],
+            "seq": ("input_ids", 1)}``; each entry is ``(key, dim)`` or a list of them,
+            ``key`` a positional index (int) or a keyword name (str) of
+            ``example_inputs``. Parameters and buffers keep static shapes. The example
+            sizes are only hints (each must be >= 2); every size in the graph becomes a
+            sympy expression of the symbols (``JointGraph.symbols`` maps the names).
+            Tensors the loss or model build from outside the inputs keep their
+            concrete shape, so keep every shape-carrying tensor among the inputs.
+        output: ``"loss"`` (default): the step ends in a scalar loss. ``"activation"``:
+            a pipeline stage that is not the last (GPipe / 1F1B, Huang et al. 2019;
+            Narayanan et al. 2021): the model returns the activation it sends to the
+            next stage (``loss_fn`` may pick it out of the output), its tangent is the
+            gradient that stage sends back, and every example input that requires grad
+            (the activation received from the previous stage) gets a gradient output.
+        tangent_values: with ``output="activation"``, the incoming gradient (one
+            tensor of the output's shape); default ``ones``. Its values matter only for
+            running the step, not for its graph or memory.
+
+    Tensor-subclass parameters (DTensor under ``torch.distributed.tensor.parallel``)
+    are desugared by AOTAutograd into their local shards and opaque attributes (the
+    device mesh); ``primal_values`` is flattened the same way and an opaque primal's
+    gradient output (AOTAutograd returns the placeholder itself) becomes None. The
+    joint graph then holds the rank's local shapes and its functional collectives.
+
+    Returns:
+        The JointGraph (AOTAutograd's joint graph before partitioning). A model built
+        under ``FakeTensorMode`` (FakeTensor parameters) traces too; its JointGraph has
+        ``fake=True`` (predicted, never run).
+
+    Raises:
+        UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
+            running statistics) or returns aliases of its inputs.
+        UnsupportedGraph: no gradient reaches any parameter or input (the joint graph
+            would be the forward alone).
+        UnsupportedGraph: a parameter, buffer or input is on the meta device: trace it
+            with ``fake_trace.trace_joint_fake`` (``sweep.Session.create`` does).
+        RematError: no scalar loss.
+        ValueError: a ``symbols`` entry names no tensor input or dimension.
+        UnsupportedGraph: the step specializes a symbol to one value (code that
+            branches on that size), so the graph is not valid for other sizes.
+
+    Example:
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+        >>> j = trace_joint(m, (torch.randn(3, 4),), lambda y: y.sum())
+        >>> j.primals[:2], j.num_fwd_outputs
+        (['primals_1', 'primals_2'], 1)
+    """
+    flat = flatten_step(model, example_inputs, loss_fn, output)
+    refuse_meta_tensors(flat)
+    trace_values, dims_of_symbol, shape_env = symbolic_trace_values(flat, symbols)
+    fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
+    try:
+        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=bool(symbols))
+    except UnsupportedGraph as e:
+        if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+            explain_untraceable(flat.fn, flat.primal_values, e)
+        raise
+    return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
+                       fake=fake, output=output, tangent_values=tangent_values)
+
+
+def refuse_meta_tensors(flat: FlatStep) -> None:
+    """Raise when a primal is a plain tensor on the meta device.
+
+    AOTAutograd would make it a FakeTensor on device ``meta``, where ops that have a
+    Python meta decomposition (``aten::nll_loss``, ``dropout``, ...) lose their autograd
+    kernel: the joint graph silently comes out without its backward.
+
+    Raises:
+        UnsupportedGraph: names the first meta primal and the function to use instead.
+    """
+    for label, v in zip(flat.primal_labels, flat.primal_values):
+        if v.is_meta and not isinstance(v, FakeTensor):
+            raise UnsupportedGraph(
+                f"{label} is on the meta device; trace_joint needs real or fake tensors. "
+                "Trace a model without weights with remat_pass.trace_joint_fake (it makes fake "
+                "tensors on the target device; Session.create and the command line's --meta do this)"
+            )
+
+
+def joint_graph(
+    flat: FlatStep,
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    model: torch.nn.Module,
+    trace_values: Sequence[Any],
+    dims_of_symbol: Mapping[str, list[tuple[int, int]]],
+    shape_env: Any,
+    primal_values: Sequence[torch.Tensor] | None = None,
+    fake: bool = False,
+    output: str = "loss",
+    tangent_values: Sequence[torch.Tensor] | None = None,
+) -> JointGraph:
+    """The JointGraph of a captured joint graph, after checking it is a training step.
+
+    Args:
+        flat: the flattened step that was traced.
+        joint, num_fwd_outputs: what ``capture_joint`` returned.
+        model: the traced module.
+        trace_values: the values the primals were traced with.
+        dims_of_symbol, shape_env: the symbolic trace's named dimensions and ShapeEnv
+            (empty / None for concrete shapes).
+        primal_values: the values to keep as ``JointGraph.primal_values`` (default:
+            ``flat.primal_values``).
+        fake: the primal values are FakeTensors; the tangents are then the fake values of
+            the tangent placeholders instead of real ``ones``.
+        output, tangent_values: see ``trace_joint`` (a pipeline stage's activation
+            output and the gradient it receives). Tensor-subclass primals (DTensor) are
+            flattened as AOTAutograd flattens them (``flatten_primals``).
+
+    Raises:
+        UnsupportedGraph: more than one forward output, primals lost, or no gradient
+            at all (see ``trace_joint``); a named size specialized.
+    """
+    if num_fwd_outputs != 1:
+        raise UnsupportedGraph(
+            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
+            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
+            "statistics in train mode) or returns an alias of an input. Put such layers "
+            "in eval mode or remove the mutation."
+        )
+    values = list(flat.primal_values if primal_values is None else primal_values)
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    primals = [n.name for n in placeholders if n.name.startswith("primals")]
+    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
+    symbols = named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
+    values, kinds, labels = flatten_primals(values, flat.primal_kinds, flat.primal_labels)
+    if len(primals) != len(values):
+        raise UnsupportedGraph(
+            f"the joint graph has {len(primals)} primals for {len(values)} inputs"
+        )
+    _drop_opaque_gradients(joint, kinds, num_fwd_outputs)
+    grads = list(joint.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
+    if not any(isinstance(g, fx.Node) for g in grads):
+        raise UnsupportedGraph(
+            "the joint graph has no backward: no gradient reaches any parameter or input, "
+            "so it is not a training step. Make sure the loss depends on parameters that "
+            "require grad (a model on the meta device must be traced with trace_joint_fake)"
+        )
+    if fake:
+        tangent_values = [joint.graph.find_nodes(op="placeholder", target=t)[0].meta["val"] for t in tangents]
+    else:
+        tangent_values = _tangent_values(joint, tangents, tangent_values)
+    return JointGraph(
+        gm=joint,
+        primals=primals,
+        tangents=tangents,
+        num_fwd_outputs=num_fwd_outputs,
+        primal_values=values,
+        primal_kinds=kinds,
+        primal_labels=labels,
+        tangent_values=tangent_values,
+        model=model,
+        symbols=symbols,
+        shape_env=shape_env,
+        fake=fake,
+        output=output,
+    )
+
+
+def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
+                  dynamic: bool, fake_mode: FakeTensorMode | None = None) -> tuple[fx.GraphModule, int]:
+    """AOTAutograd's joint graph of ``step`` at ``trace_values`` and its number of
+    forward outputs (the partition function stops AOTAutograd once it has them).
+
+    Args:
+        step: the flat step (``FlatStep.fn``).
+        trace_values: real tensors, or FakeTensors of one mode.
+        dynamic: a symbolic trace (its fakes bring their own mode and ShapeEnv).
+        fake_mode: the mode of fake ``trace_values`` for a concrete trace (default: a
+            new mode, in which AOTAutograd fakes real tensors).
+
+    Raises:
+        UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
+            trace it.
+        RematError: no parameter or input requires grad.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    def capture(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        raise _JointCaptured(joint, num_fwd_outputs)
+
+    compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                            partition_fn=capture, dynamic=dynamic)
+    # Tensors the model or loss_fn close over (targets, masks) become graph constants.
+    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
+        # there would make Hugging Face models take data-dependent branches
+        context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
+        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log():
+            compiled(*trace_values)
+    except _JointCaptured as c:
+        return c.joint, c.num_fwd_outputs
+    except _DATA_DEPENDENT_ERRORS as e:
+        raise UnsupportedGraph(
+            "the training step depends on tensor values (.item(), a Python branch on a "
+            "tensor, boolean-mask indexing or another op whose output shape depends on "
+            f"data: {type(e).__name__}: {e}), so it cannot be traced into one static graph. "
+            "Make the step shape-static, or keep that code outside the traced model."
+        ) from e
+    except (RuntimeError, NotImplementedError) as e:
+        raise UnsupportedGraph(
+            f"AOTAutograd could not trace the training step into a joint graph "
+            f"({type(e).__name__}: {e}). Run the model's forward and backward eagerly to "
+            "check it works; code that AOTAutograd cannot trace (reentrant "
+            "torch.utils.checkpoint, custom autograd.Function without a functional "
+            "backward) must be replaced or kept outside the traced model."
+        ) from e
+    raise RematError("AOTAutograd produced no joint graph: no parameter or input requires grad")
+
+
+def _drop_opaque_gradients(joint: fx.GraphModule, kinds: Sequence[str], num_fwd_outputs: int) -> None:
+    """AOTAutograd returns an opaque primal (a device mesh) as its own "gradient"; make
+    that gradient output None, as for any primal without a gradient."""
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    changed = False
+    for i, kind in enumerate(kinds):
+        j = num_fwd_outputs + i
+        if kind == "opaque" and j < len(outs) and outs[j] is not None:
+            outs[j] = None
+            changed = True
+    if changed:
+        out.args = (outs,)
+        joint.graph.lint()
+        joint.recompile()
+
+
+def _tangent_values(joint: fx.GraphModule, tangents: Sequence[str],
+                    given: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``given`` (checked against the placeholders' shapes), or ``ones`` of each tangent
+    placeholder's shape (the gradient of a scalar loss).
+
+    Raises:
+        ValueError: ``given`` does not match the tangents in number or shape.
+    """
+    out = []
+    if given is not None and len(given) != len(tangents):
+        raise ValueError(f"tangent_values: {len(given)} tensors for {len(tangents)} tangents")
+    for i, name in enumerate(tangents):
+        val = joint.graph.find_nodes(op="placeholder", target=name)[0].meta["val"]
+        shape = [d.node.hint if isinstance(d, torch.SymInt) else int(d) for d in val.shape]
+        if given is not None:
+            if list(given[i].shape) != shape:
+                raise ValueError(f"tangent_values[{i}] has shape {list(given[i].shape)}; the output has {shape}")
+            out.append(given[i])
+        else:
+            out.append(torch.ones(shape, dtype=val.dtype, device=val.device))
+    return out

@@ -1,0 +1,99 @@
+"""Why a step that runs eagerly cannot be traced: the first op whose meta function (what
+AOTAutograd runs on fake tensors) fails, with the fix when one is known."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from ..errors import UnsupportedGraph
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """Keep FakeTensorMode's own log of a failing meta function (a 20-line traceback on
+    stderr) out of the output while tracing: the error is raised to the caller, with
+    its cause, as an UnsupportedGraph."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+TRACE_FIXES = {
+    "aten._grouped_mm": (
+        "transformers' mixture-of-experts layers call it by default "
+        "(config._experts_implementation = 'grouped_mm'), and its meta function accepts only "
+        "bfloat16 here; build the model with config._experts_implementation = 'batched_mm' "
+        "(or 'eager'), or trace it in bfloat16"
+    ),
+}
+"""Ops that run eagerly but whose meta (shape) function refuses the inputs, with the
+fix to name (op overload packet -> what to do)."""
+
+
+class _FakeCheck(TorchDispatchMode):
+    """Runs every op eagerly and again on fake copies of its inputs; keeps the first op
+    whose fake run (its meta function, which tracing uses) fails: ``(op, error)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: tuple[Any, BaseException] | None = None
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.failed is None:
+            try:
+                fake_args, fake_kwargs = tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
+                with self.fake:
+                    func(*fake_args, **fake_kwargs)
+            except Exception as e:  # noqa: BLE001 - any failure of the meta function is the finding
+                self.failed = (func, e)
+        return out
+
+
+def explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequence[torch.Tensor],
+                         error: UnsupportedGraph) -> None:
+    """Find the op that made tracing fail and raise an UnsupportedGraph naming it.
+
+    The step is run eagerly once (forward and backward, parameter ``.grad`` restored)
+    with every op also run on fake tensors; the first op that runs eagerly but not on
+    fake tensors is the one tracing cannot pass. Returns without raising when every op
+    passes (the error is elsewhere) or the eager step fails too.
+
+    Raises:
+        UnsupportedGraph: naming the op, its error, and the fix when ``TRACE_FIXES``
+            knows one; chained to the original error.
+    """
+    grads = [p.grad for p in primal_values]
+    check = _FakeCheck()
+    try:
+        with check, quiet_fake_tensor_log():
+            step(*primal_values).backward()
+    except Exception:  # noqa: BLE001 - the step fails eagerly too: the original error stands
+        return
+    finally:
+        for p, g in zip(primal_values, grads):
+            p.grad = g
+    if check.failed is None:
+        return
+    op, cause = check.failed
+    packet = str(op.overloadpacket) if hasattr(op, "overloadpacket") else str(op)
+    fix = TRACE_FIXES.get(packet, "")
+    raise UnsupportedGraph(
+        f"{op} runs eagerly on these inputs but cannot be traced: its meta function, which "
+        f"AOTAutograd runs on fake tensors, fails ({type(cause).__name__}: {cause}). "
+        + (f"Fix: {fix}." if fix else
+           "Keep that op outside the traced model, or use inputs (dtype, device) its meta function accepts.")
+    ) from error.__cause__

@@ -1,0 +1,452 @@
+"""Run a rewritten step, measure its real peak memory, compare its gradients.
+
+Execution: ``run_graph`` runs a GraphModule node by node and drops every value right
+after its last use, arguments included (the caller's list is emptied, as AOTAutograd's
+boxed calling convention does), which is the schedule ``liveness.analyze`` models.
+
+Measurement (DESIGN.md, Measurement):
+
+- CPU: the PyTorch profiler's allocator events (``profile_memory=True``); the ``[memory]``
+  events ordered by ``start_ns()``, running sum of ``nbytes()``; the peak of the running
+  sum above the start of the step. Everything the step frees is allocated inside the
+  window; one warm-up step runs first.
+- CUDA: ``torch.cuda.reset_peak_memory_stats()``, then ``max_memory_allocated()`` minus
+  the ``memory_allocated()`` at the start of the step.
+- Gradients: the rewritten step against the un-rewritten joint graph run by the same
+  executor with the same RNG seed (must be bitwise equal), and the largest absolute
+  difference from plain eager autograd on the model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import gc
+import operator
+import os
+import sys
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..errors import UnsupportedGraph
+from ..graph.flat_step import _split_inputs, extract_loss
+from ..graph.op_signature import RealLayout, op_call, value_argument
+from ..recompute.rewrite import RewrittenStep
+from ..graph.trace import JointGraph
+
+
+@torch.no_grad()
+def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout] | None = None) -> list[Any]:
+    """Run ``gm`` node by node under ``no_grad``, freeing each value after its last use.
+
+    Args:
+        gm: a graph of placeholders, call_function / get_attr nodes and one output.
+        args: one value per placeholder; the list is emptied so that the graph, not the
+            caller, decides when an argument dies. Keep no other reference to the values
+            if their memory should be released.
+        layouts: when given, filled with the RealLayout of every call_function node
+            whose real tensor value differs in strides, storage offset or storage bytes
+            from its traced FakeTensor (``node.meta["val"]``), by node name, and with the
+            values (``RealLayout.values``) of every node that is the argument of an op in
+            ``op_signature.VALUE_ARGUMENTS``.
+
+    Returns:
+        The output node's values as a flat list.
+
+    Raises:
+        UnsupportedGraph: an op of the graph fails on the real tensors (e.g. a ``view``
+            of a tensor whose real strides differ from the traced ones, because an op's
+            meta function and its kernel disagree on the output's layout); names the
+            node and the first node whose real strides differed from the traced ones.
+    """
+    nodes = list(gm.graph.nodes)
+    last_user: dict[fx.Node, fx.Node] = {}
+    for n in reversed(nodes):
+        for a in n.all_input_nodes:
+            last_user.setdefault(a, n)
+    free_after: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_user.items():
+        free_after.setdefault(user, []).append(value)
+    env: dict[fx.Node, Any] = {}
+    inputs = list(args)
+    args.clear()
+    inputs.reverse()
+    result: list[Any] = []
+    first_mismatch: str | None = None
+    for n in nodes:
+        if n.op == "placeholder":
+            env[n] = inputs.pop()
+        elif n.op == "call_function":
+            a = fx.node.map_arg(n.args, env.__getitem__)
+            k = fx.node.map_arg(n.kwargs, env.__getitem__)
+            if layouts is not None:
+                _record_values(n, env, layouts)
+            try:
+                env[n] = n.target(*a, **k)
+            except RuntimeError as e:
+                raise _cannot_run(n, e, first_mismatch) from e
+            del a, k
+            if first_mismatch is None:
+                first_mismatch = _stride_mismatch(n, env[n])
+            if layouts is not None:
+                real = _real_layout(n, env[n])
+                if real is not None:
+                    layouts[n.name] = real
+        elif n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            env[n] = obj
+        elif n.op == "output":
+            result = list(fx.node.map_arg(n.args[0], env.__getitem__))
+        else:
+            raise ValueError(f"run_graph cannot run {n.op} node {n.format_node()}")
+        if n not in last_user and n.op != "output":
+            env.pop(n, None)  # dead value: freed at once
+        for v in free_after.get(n, ()):
+            env.pop(v, None)
+    env.clear()
+    return result
+
+
+def _record_values(node: fx.Node, env: dict[fx.Node, Any], layouts: dict[str, RealLayout]) -> None:
+    """Record in ``layouts`` the values of the argument of ``node``'s op whose values
+    decide its allocations (``op_signature.VALUE_ARGUMENTS``: ``_grouped_mm``'s offsets)."""
+    call = op_call(node)
+    src = value_argument(call) if call is not None else None
+    if isinstance(src, fx.Node) and isinstance(env.get(src), torch.Tensor):
+        value = env[src]
+        layout = layouts.get(src.name) or RealLayout.of(value)
+        layouts[src.name] = dataclasses.replace(layout, values=tuple(int(v) for v in value.flatten().tolist()))
+
+
+def _real_layout(node: fx.Node, value: Any) -> RealLayout | None:
+    """The RealLayout of ``value`` when it differs from the layout of ``node``'s traced
+    FakeTensor (same shape; strides, offset or storage bytes differ), else None."""
+    val = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)) or value.layout != torch.strided:
+        return None
+    real = RealLayout.of(value)
+    try:
+        traced = RealLayout.of(val)
+    except (TypeError, RuntimeError):  # symbolic sizes: no concrete layout to compare
+        return None
+    return real if real != traced and tuple(val.shape) == tuple(value.shape) else None
+
+
+def _stride_mismatch(node: fx.Node, value: Any) -> str | None:
+    """``"name: traced strides (..), real (..)"`` when a tensor's real strides differ
+    from its traced (FakeTensor) ones, else None."""
+    val = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)) or value.dim() < 2:
+        return None
+    traced, real = tuple(val.stride()), tuple(value.stride())
+    if traced == real or tuple(val.shape) != tuple(value.shape):
+        return None
+    op = node.args[0].target if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node.target
+    return f"{node.name} (output of {op}): traced strides {traced}, real {real}"
+
+
+def _cannot_run(node: fx.Node, error: RuntimeError, first_mismatch: str | None) -> UnsupportedGraph:
+    why = (f"; the first value whose real memory layout differs from the traced one is {first_mismatch}, "
+           "i.e. that op's meta function (used for tracing) and its kernel disagree on the output's strides, "
+           "so the traced graph is not valid for the real tensors" if first_mismatch else "")
+    return UnsupportedGraph(
+        f"the traced step cannot run: node {node.name} ({node.target}) fails on the real tensors "
+        f"({type(error).__name__}: {error}){why}. No peak is valid for it: make that op's input "
+        "contiguous in the model (.contiguous() before it), or keep the op outside the traced model"
+    )
+
+
+def run_step(step: RewrittenStep, joint: JointGraph) -> tuple[list[Any], list[Any]]:
+    """One forward + backward of ``step`` on ``joint``'s primals and tangents.
+
+    Returns:
+        ``(fwd_outputs, grads)``: the loss (list of one) and one gradient per primal.
+    """
+    fw_out = run_graph(step.forward, list(joint.primal_values))
+    k = step.num_fwd_outputs
+    outputs, bw_args = fw_out[:k], fw_out[k:]
+    del fw_out
+    bw_args += [joint.primal_values[i] for i in step.backward_primal_indices]
+    bw_args += list(joint.tangent_values)
+    grads = run_graph(step.backward, bw_args)
+    return outputs, grads
+
+
+def run_joint(joint: JointGraph, layouts: dict[str, RealLayout] | None = None) -> tuple[list[Any], list[Any]]:
+    """The un-rewritten joint graph, run by the same executor: ``(fwd_outputs, grads)``.
+
+    ``layouts``: filled with the real layout of every value that differs from the
+    traced one (see ``run_graph``)."""
+    out = run_graph(joint.gm, [*joint.primal_values, *joint.tangent_values], layouts)
+    return out[: joint.num_fwd_outputs], out[joint.num_fwd_outputs :]
+
+
+def eager_grads(
+    model: torch.nn.Module, example_inputs: Any, loss_fn: Any = None
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Loss and parameter gradients from plain eager autograd (``loss.backward()``).
+
+    Parameters are the model's ``named_parameters()`` in order (None for a frozen one).
+    ``loss.backward()`` is used rather than ``torch.autograd.grad`` so that models using
+    reentrant ``torch.utils.checkpoint`` work; the parameters' own ``.grad`` fields are
+    restored afterwards.
+    """
+    args, kwargs = _split_inputs(example_inputs)
+    params = list(model.parameters())
+    stash = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss = extract_loss(model(*args, **kwargs), loss_fn)
+        if loss.requires_grad:
+            loss.backward()
+        grads = [p.grad for p in params]
+    finally:
+        for p, g in zip(params, stash):
+            p.grad = g
+    return loss.detach(), grads
+
+
+def grads_bitwise_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two gradient lists are equal element by element, bit for bit (None = None)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not (
+            x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+        ):
+            return False
+    return True
+
+
+def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Largest |a - b| over paired tensors (inf if one is None and the other is not)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            return float("inf")
+        worst = max(worst, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
+    return worst
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null while active (C++ log lines included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Keep the cycle collector off while active: it must not free tensors allocated
+    before the measured window inside it (their frees would lower the running sum below
+    what the step itself allocates). Cyclic garbage from before stays uncollected until
+    the window ends, so no full collection is needed first (it costs ~0.4 s with torch,
+    sympy and transformers loaded)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def profile_memory_events(fn: Callable[[], Any]) -> list[Any]:
+    """Run ``fn`` once under ``torch.profiler.profile(profile_memory=True)`` (CPU) with
+    the collector paused; return every profiler event (kineto results), unsorted.
+
+    The allocator events are those named ``[memory]`` (``nbytes()`` > 0: an allocation,
+    < 0: a free); ``record_function`` ranges come with them.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _collector_paused():
+        with _quiet_stderr():  # the CPU build's profiler logs start/stop lines on fd 2
+            prof.start()
+        try:
+            fn()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+    return list(prof.profiler.kineto_results.events())
+
+
+def running_bytes(events: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """``(times_ns, running sum of allocated bytes after each allocator event)``, in time
+    order, from the events of ``profile_memory_events``."""
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"),
+                    key=lambda m: m[0])
+    total, times, running = 0, [], []
+    for t, nbytes in memory:
+        total += nbytes
+        times.append(t)
+        running.append(total)
+    return times, running
+
+
+def profiled_peak_cpu(fn: Callable[[], Any]) -> tuple[int, list[int]]:
+    """``(peak bytes, running sum after each allocator event)`` of one run of ``fn`` on
+    CPU, above what was allocated before it (the collector paused; warm ``fn`` up first)."""
+    _, running = running_bytes(profile_memory_events(fn))
+    return max([0, *running]), running
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What running one rewritten step showed.
+
+    Attributes:
+        peak_bytes: measured peak activation bytes above the start of the step.
+        device: "cpu" or "cuda".
+        timeline_bytes: running allocated bytes after every allocator event (CPU).
+        loss: the step's loss.
+        grads: one gradient per primal (None where none).
+    """
+
+    peak_bytes: int
+    device: str
+    timeline_bytes: tuple[int, ...]
+    loss: torch.Tensor
+    grads: list[Any]
+
+
+def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measurement:
+    """Run ``step`` once to warm up, then once measured, both with RNG seed ``seed``.
+
+    The cycle collector is paused during the measured step, so that no tensor allocated
+    earlier is freed inside the window. ``measured_step_timeline``
+    measures the same way, per step.
+
+    Returns:
+        The Measurement of the second run (its loss and gradients included).
+    """
+    device = joint.primal_values[0].device.type if joint.primal_values else "cpu"
+    result: dict[str, Any] = {}
+
+    def once() -> None:
+        torch.manual_seed(seed)
+        outs, grads = run_step(step, joint)
+        result["loss"], result["grads"] = outs[0], grads
+
+    once()
+    result.clear()
+    if device == "cuda":
+        with _collector_paused():
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            once()
+            torch.cuda.synchronize()
+            peak, timeline = torch.cuda.max_memory_allocated() - base, []
+    else:
+        peak, timeline = profiled_peak_cpu(once)
+    return Measurement(peak, device, tuple(timeline), result["loss"], result["grads"])
+
+
+class _MarkedGraph:
+    """A graph whose call_function nodes run inside ``record_function(label)``; duck-types
+    the GraphModule that ``run_graph`` needs (``.graph`` and attributes)."""
+
+    def __init__(self, gm: fx.GraphModule, first: int):
+        self._gm = gm
+        self.graph = fx.Graph()
+        out = self.graph.graph_copy(gm.graph, {})
+        self.graph.output(out)
+        self.labels: list[str] = []  # one per step; get_attr steps run no op
+        for new in self.graph.nodes:
+            if new.op in ("placeholder", "output"):
+                continue
+            label = f"remat::{first + len(self.labels)}"
+            self.labels.append(label)
+            if new.op == "call_function":
+                new.target = _marked(new.target, label)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gm, name)
+
+
+def _marked(target: Any, label: str) -> Any:
+    from torch.profiler import record_function
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return target(*args, **kwargs)
+
+    return run
+
+
+def measured_step_timeline(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> tuple[int, ...]:
+    """Measured live bytes at every step of ``step``, aligned with ``MemoryReport.timeline``.
+
+    Runs the step as ``measure_step`` does on CPU (one warm-up, then one run under the
+    profiler with the collector paused), with every node's call wrapped in
+    ``record_function("remat::<i>")``. The allocator events are ordered by time and
+    summed; step i's value is the largest running sum between the start and the end of
+    node i (its inputs and outputs coexist there, as the liveness model counts), or the
+    running sum when it starts if the node allocates nothing; a get_attr step (no op
+    runs) takes the running sum when the next op starts. Frees of values after
+    their last use happen between nodes, outside every window, as in the model.
+
+    Differences from the prediction are real: scratch memory an op allocates and frees
+    inside itself raises the measured value of that step only.
+
+    Args:
+        step: the rewritten step; joint: its JointGraph (primal and tangent values).
+        seed: RNG seed for both runs (dropout masks).
+
+    Returns:
+        One int per step (forward steps, then backward steps), bytes above the start.
+
+    Raises:
+        ValueError: the step runs on CUDA (use ``measure_step``'s peak there).
+    """
+    device = joint.primal_values[0].device.type if joint.primal_values else "cpu"
+    if device != "cpu":
+        raise ValueError(f"measured_step_timeline runs on CPU only; this step runs on {device}")
+    fw = _MarkedGraph(step.forward, 0)
+    bw = _MarkedGraph(step.backward, len(fw.labels))
+    marked = dataclasses.replace(step, forward=fw, backward=bw)
+
+    def once() -> None:
+        torch.manual_seed(seed)
+        run_step(marked, joint)
+
+    once()
+    events = profile_memory_events(once)
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns())
+               for e in events if e.name().startswith("remat::")}
+    times, running = running_bytes(events)
+    out: list[int | None] = []
+    for label in fw.labels + bw.labels:
+        if label not in windows:  # a get_attr step: no op runs, nothing is allocated
+            out.append(None)
+            continue
+        start, stop = windows[label]
+        i0 = bisect.bisect_left(times, start)
+        i1 = bisect.bisect_right(times, stop)
+        before = running[i0 - 1] if i0 > 0 else 0
+        # a get_attr step holds what is live when the next op starts: the previous op's
+        # outputs, after the frees that follow it (not its scratch)
+        out = [before if v is None else v for v in out]
+        out.append(max([before, *running[i0:i1]]))
+    end = running[-1] if running else 0
+    return tuple(end if v is None else v for v in out)
