@@ -8,7 +8,7 @@ Dynamo splits at ``self.loss_function`` into a layer graph and a loss graph; ``t
 ``torch.autocast("cpu", torch.bfloat16)`` inside the compiled step), the rows are:
 
 - ``eager``: no torch.compile (the gradient and step-time reference);
-- ``remat``: ``remat_pass.backend`` with ``none``, ``uniform`` K=1, 2, and (static
+- ``remat``: ``remat_pass.compile.backend`` with ``none``, ``uniform`` K=1, 2, and (static
   shapes) ``optimized`` at budgets spread between the predicted step peaks of uniform
   K=1 and none; the predicted step peak is ``backend.step_report(shape).peak_bytes``
   (the composed step: every graph, what crosses between them), after the re-plan of
@@ -18,7 +18,7 @@ Dynamo splits at ``self.loss_function`` into a layer graph and a loss graph; ``t
   GPT-2: ``gradient_checkpointing_enable(use_reentrant=False)``, K=1 only).
 
 Measured: CPU peak from the profiler's allocator events
-(``remat_pass.measure.profiled_peak_cpu``), the peak of the running sum above the
+(``remat_pass.measure.run.profiled_peak_cpu``), the peak of the running sum above the
 start of one step, ``.grad`` None before it (the step allocates its gradients), after
 two warm-up steps at that shape; the seed is set before every step (dropout). Step
 time: median of ``--repeats`` steps over eager's. Gradients: against eager's, bitwise
@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 import remat_pass
 from remat_pass.errors import InfeasibleBudget
 from remat_pass.formatting import text_table
-from remat_pass.measure import profiled_peak_cpu
+from remat_pass.measure.run import profiled_peak_cpu
 from remat_pass.models import gpt2, tiny_gpt
 
 MIB = 2**20

@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_pass.distributed import RunOptions, measure_config  # noqa: E402
-from remat_pass.fsdp_measure import measure_fsdp  # noqa: E402
+from remat_pass.parallel.distributed import RunOptions, measure_config  # noqa: E402
+from remat_pass.parallel.fsdp_measure import measure_fsdp  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
-from remat_pass.launch import RankFailed  # noqa: E402
+from remat_pass.parallel.launch import RankFailed  # noqa: E402
 from remat_pass.models import build  # noqa: E402
-from remat_pass.parallel import ParallelConfig, validate  # noqa: E402
-from remat_pass.parallel_plan import predict_config  # noqa: E402
+from remat_pass.parallel.ranks import ParallelConfig, validate  # noqa: E402
+from remat_pass.parallel.plan import predict_config  # noqa: E402
 
 FACTORY = "remat_pass.models:tiny_llama"
 NONE, U1, U2, B1 = ("none", None), ("uniform", 1), ("uniform", 2), ("block", 1)

@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_pass import schedule as schedules  # noqa: E402
+from remat_pass.recompute import schedule as schedules  # noqa: E402
 from remat_pass.errors import InfeasibleBudget, RematError  # noqa: E402
 from remat_pass.formatting import fmt_bytes, parse_bytes  # noqa: E402
-from remat_pass.workload import WorkloadOptions, load_workload  # noqa: E402
+from remat_pass.evaluate.workload import WorkloadOptions, load_workload  # noqa: E402
 from solvers.theoretical_memory import TransformerShape, megatron_activation_bytes  # noqa: E402
 
 

@@ -41,14 +41,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_pass import schedule as schedules  # noqa: E402
-from remat_pass.configs import ModelSpec, build_from_config  # noqa: E402
-from remat_pass.cuda_target import CudaKernels, GpuSpec  # noqa: E402
+from remat_pass.recompute import schedule as schedules  # noqa: E402
+from remat_pass.models.configs import ModelSpec, build_from_config  # noqa: E402
+from remat_pass.memory.cuda_target import CudaKernels, GpuSpec  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
-from remat_pass.liveness import analyze  # noqa: E402
-from remat_pass.planner import Planner  # noqa: E402
-from remat_pass.rewrite import rewrite  # noqa: E402
-from remat_pass.sweep import Session  # noqa: E402
+from remat_pass.liveness.timeline import analyze  # noqa: E402
+from remat_pass.plan.planner import Planner  # noqa: E402
+from remat_pass.recompute.rewrite import rewrite  # noqa: E402
+from remat_pass.evaluate.session import Session  # noqa: E402
 
 SIZES = {  # (layers, hidden, heads, seq, batch, vocab)
     "full": (4, 512, 8, 512, 4, 8192),

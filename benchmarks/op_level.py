@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 import remat_pass
-from remat_pass.costs import bytes_moved, node_flops
+from remat_pass.graph.costs import bytes_moved, node_flops
 from remat_pass.formatting import text_table
-from remat_pass.measure import profiled_peak_cpu
+from remat_pass.measure.run import profiled_peak_cpu
 from remat_pass.models import TinyGPT
 
 MIB = 2**20

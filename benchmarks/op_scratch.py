@@ -5,9 +5,9 @@ For every model of the test zoo (``tests/zoo/``) that traces, and the shipped mo
 Megatron schedule, prints the measured peak next to two predictions:
 
 - ``table``: the memory model without calibration (the ATen formula table,
-  ``remat_pass.scratch_table``);
+  ``remat_pass.memory.scratch_table``);
 - ``calibrated``: every op signature run alone under the allocator profiler on this
-  machine (``remat_pass.calibration``), the table only where that fails;
+  machine (``remat_pass.memory.calibration``), the table only where that fails;
 
 and per model the calibration cost (signatures calibrated, seconds). A summary counts
 the rows predicted to the byte and the largest differences. The calibration cache is a
@@ -32,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from remat_pass.calibration import CACHE_ENV  # noqa: E402
+from remat_pass.memory.calibration import CACHE_ENV  # noqa: E402
 from remat_pass.errors import RematError  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
-from remat_pass.schedule import distinct_megatron_schedules  # noqa: E402
-from remat_pass.sweep import Session  # noqa: E402
+from remat_pass.recompute.schedule import distinct_megatron_schedules  # noqa: E402
+from remat_pass.evaluate.session import Session  # noqa: E402
 
 
 def shipped(with_gpt2: bool) -> list[tuple[str, object, str | None]]:

@@ -24,8 +24,8 @@ from hetero import hetero_gpt  # noqa: E402
 
 from remat_pass.models import gpt2  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
-from remat_pass.planner import Planner  # noqa: E402
-from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
+from remat_pass.plan.planner import Planner  # noqa: E402
+from remat_pass.evaluate.session import Session, megatron_schedules  # noqa: E402
 from solvers import ChainCosts, least_recompute  # noqa: E402
 
 MIB = 2**20

@@ -1,7 +1,7 @@
 """Sweep the Hugging Face families: every distinct Megatron schedule and one optimized
 plan, predicted against measured, gradients against the un-rewritten step.
 
-Families (``remat_pass.hf_families``, small configs, random weights, fp32, dropout 0):
+Families (``remat_pass.models.hf_families``, small configs, random weights, fp32, dropout 0):
 Llama, Mistral, Qwen2, GPT-NeoX, Phi-3, Mixtral (batched_mm experts), BERT, T5 (both
 stacks), ViT. Prints a Markdown table (one row per family) and, with ``--json``, every
 row per schedule.
@@ -21,10 +21,10 @@ import torch
 
 from remat_pass.errors import RematError
 from remat_pass.formatting import markdown_table
-from remat_pass.hf_families import FAMILIES
-from remat_pass.planner import Planner
-from remat_pass.schedule import distinct_megatron_schedules
-from remat_pass.sweep import Session
+from remat_pass.models.hf_families import FAMILIES
+from remat_pass.plan.planner import Planner
+from remat_pass.recompute.schedule import distinct_megatron_schedules
+from remat_pass.evaluate.session import Session
 
 
 def sweep_family(name: str, layers: int) -> dict:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from remat_pass.models import DEFAULT_BATCH, DEFAULT_LAYERS, DEFAULT_SEQ, gpt2
 from remat_pass.formatting import markdown_table, mib
-from remat_pass.report import where
-from remat_pass.sweep import Session, megatron_schedules
+from remat_pass.report.schedule_report import where
+from remat_pass.evaluate.session import Session, megatron_schedules
 
 KIND_ORDER = ("saved", "recompute", "forward", "backward", "gradient", "output")
 

@@ -25,7 +25,7 @@ BASELINE = ROOT / ".ci" / "baseline" / "default_model.json"
 def run(name: str | None, *args: str) -> int:
     """Run ``remat-pass ARGS`` in the repository root; save stdout (and the exit status)
     to ``OUT/name`` when ``name`` is given. Returns the exit status."""
-    cmd = [sys.executable, "-m", "remat_pass.cli", *args]
+    cmd = [sys.executable, "-m", "remat_pass.cli.main", *args]
     shown = "remat-pass " + " ".join(shlex.quote(a) for a in args)
     print(f"$ {shown}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -1,6 +1,6 @@
 """remat-pass: activation recomputation as a compiler pass over traced training graphs."""
 
-from .backend import backend
+from .compile.backend import backend
 from .errors import (
     GradientMismatch,
     InfeasibleBudget,
@@ -10,17 +10,17 @@ from .errors import (
     RematError,
     UnsupportedGraph,
 )
-from .liveness import MemoryReport, analyze
-from .measure import Measurement, measure_step, measured_step_timeline, run_joint, run_step
-from .partition import Partition, SavedValue, Segment, partition
-from .planner import Plan, Planner
-from .regions import LayerStack, assign_layers, find_layer_stack
-from .rewrite import RewrittenStep, rewrite
-from .schedule import Schedule, megatron_schedules
-from .schedule_result import ScheduleResult
-from .sweep import Session, sweep
-from .symbolic import SymbolicModel, trace_symbolic
-from .trace import JointGraph, trace_joint
+from .liveness.timeline import MemoryReport, analyze
+from .measure.run import Measurement, measure_step, measured_step_timeline, run_joint, run_step
+from .recompute.partition import Partition, SavedValue, Segment, partition
+from .plan.planner import Plan, Planner
+from .graph.regions import LayerStack, assign_layers, find_layer_stack
+from .recompute.rewrite import RewrittenStep, rewrite
+from .recompute.schedule import Schedule, megatron_schedules
+from .evaluate.schedule_result import ScheduleResult
+from .evaluate.session import Session, sweep
+from .liveness.symbolic import SymbolicModel, trace_symbolic
+from .graph.trace import JointGraph, trace_joint
 
 __all__ = [
     "GradientMismatch",

@@ -100,11 +100,11 @@ class PeakChecker:
         # imported here, not at module level: pytest loads this plugin in every session
         # of an environment that has remat-pass, and most never use it (torch is slow
         # to import)
-        from . import schedule as schedules
-        from .calibration import CalibrationOptions
-        from .models import build
-        from .report import report_json
-        from .sweep import Session
+        from .recompute import schedule as schedules
+        from .memory.calibration import CalibrationOptions
+        from .models.shipped import build
+        from .report.schedule_report import report_json
+        from .evaluate.session import Session
 
         if k is not None:
             warnings.warn("remat_peak: k= is deprecated, use recompute_num_layers=", DeprecationWarning, stacklevel=3)
@@ -141,7 +141,7 @@ class PeakChecker:
                 explanation), no budget or baseline was given, or the baseline file is
                 missing (run pytest with ``--remat-update-baseline`` to write it).
         """
-        from .gate import gate  # see predict: keep plugin loading free of torch
+        from .report.gate import gate  # see predict: keep plugin loading free of torch
 
         budget = budget if budget is not None else self.default_budget
         if budget is None and baseline is None:

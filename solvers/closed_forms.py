@@ -3,7 +3,7 @@
 For a stack of L layers that are all alike, the chain model of ``solvers.chain`` has a
 closed form in K (``--recompute-method uniform --recompute-num-layers K``) or N
 (``--recompute-method block --recompute-num-layers N``). The terms are read off a graph
-by the caller (``remat_pass.symbolic``) and may be sympy expressions in shape symbols:
+by the caller (``remat_pass.liveness.symbolic``) and may be sympy expressions in shape symbols:
 
 - ``s`` (``checkpoint_bytes``): what a group saves (its output, the next checkpoint, and
   its RNG states),

@@ -2,7 +2,7 @@
 saved bytes against recompute cost, by integer programming (HiGHS, through
 ``scipy.optimize.milp``).
 
-The layer (``LayerGraph``, plain data from ``remat_pass.op_planner``) is its forward
+The layer (``LayerGraph``, plain data from ``remat_pass.plan.op_planner``) is its forward
 ops, grouped in *units* (an op with the values it returns; a multi-output op's values
 are recomputed together), the values backward reads, and the storages the values live
 in (views share their base's storage). A *decision* recomputes a set of units:

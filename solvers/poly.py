@@ -4,7 +4,7 @@ algebra of symbolic memory sizes.
 A ``Poly`` maps exponent tuples (one exponent per symbol, in a fixed order the caller
 keeps) to int coefficients: ``{(1, 1): 4096, (1, 0): 8}`` is ``4096·b·s + 8·b`` over
 ``(b, s)``. It supports ``+``, ``-`` and multiplication by an int, so the live-bytes
-sweep of ``remat_pass.liveness`` runs on it unchanged. A Max of polynomials (a peak) is
+sweep of ``remat_pass.liveness.timeline`` runs on it unchanged. A Max of polynomials (a peak) is
 kept as the list of those not dominated coefficient by coefficient (``pareto_max``),
 which is exact for every positive value of the symbols.
 """

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from remat_pass.calibration import CACHE_ENV
+from remat_pass.memory.calibration import CACHE_ENV
 from remat_pass.models import gpt2, tiny_gpt
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 # Hypothesis profiles of the property tests (tests/test_properties.py). "default" (the
 # README's test command): a few dozen examples, derandomized (the same examples on

@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 
 import remat_pass
-from remat_pass import schedule as schedules
-from remat_pass.backend import (
+from remat_pass.recompute import schedule as schedules
+from remat_pass.compile.backend import (
     REPORT_DIR_ENV,
     InvalidBackendOption,
     registered_backend,
 )
-from remat_pass.backend_graph import GraphBreakWarning
+from remat_pass.compile.graph import GraphBreakWarning
 from remat_pass.errors import InvalidSchedule
-from remat_pass.inspection import load_dump
+from remat_pass.report.inspection import load_dump
 from remat_pass.models import TinyGPT
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 from conftest import small_gpt2, small_tiny_gpt
 

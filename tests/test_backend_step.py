@@ -16,15 +16,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat_pass
-from remat_pass.backend_graph import GraphBreakWarning, RematFallbackWarning
-from remat_pass.costs import node_flops
+from remat_pass.compile.graph import GraphBreakWarning, RematFallbackWarning
+from remat_pass.graph.costs import node_flops
 from remat_pass.formatting import fmt_bytes
 from remat_pass.errors import InfeasibleBudget, InvalidOption, InvalidSchedule, StepNotComposable
-from remat_pass.measure import profiled_peak_cpu
+from remat_pass.measure.run import profiled_peak_cpu
 from remat_pass.models import Block
-from remat_pass.report import schema
-from remat_pass.planner import Planner
-from remat_pass.sweep import Session
+from remat_pass.report.schedule_report import schema
+from remat_pass.plan.planner import Planner
+from remat_pass.evaluate.session import Session
 
 from conftest import small_gpt2
 

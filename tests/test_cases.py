@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from remat_pass import schedule
-from remat_pass.measure import measure_step, run_joint, run_step, grads_bitwise_equal
+from remat_pass.recompute import schedule
+from remat_pass.measure.run import measure_step, run_joint, run_step, grads_bitwise_equal
 from remat_pass.models import linear_chain, tiny_gpt
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 
 # ---------------------------------------------------------------- C1
@@ -146,7 +146,7 @@ def test_c4_group_of_one_op_saves_nothing():
     assert k1.measured_peak_bytes == none.measured_peak_bytes
     assert k1.saved_activation_bytes == none.saved_activation_bytes
     assert k1.peak_saving_vs_none_bytes == 0
-    from remat_pass.report import sweep_rows
+    from remat_pass.report.schedule_report import sweep_rows
 
     assert "saves nothing" in sweep_rows([k1])[0]
 

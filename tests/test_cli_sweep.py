@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat_pass.cli import main
+from remat_pass.cli.main import main
 
 
 @pytest.mark.slow

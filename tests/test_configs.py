@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from remat_pass.cli import main
-from remat_pass.configs import ConfigError, load_config
+from remat_pass.cli.main import main
+from remat_pass.models.configs import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_7B = ROOT / "examples" / "configs" / "llama2-7b.json"

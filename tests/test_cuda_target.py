@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from remat_pass.cuda_target import GPUS, GpuSpec, select_sdpa_backend
-from remat_pass.workload import WorkloadOptions, load_workload
+from remat_pass.memory.cuda_target import GPUS, GpuSpec, select_sdpa_backend
+from remat_pass.evaluate.workload import WorkloadOptions, load_workload
 
 
 def qkv(dtype=torch.bfloat16, heads=8, kv_heads=8, seq=64, dim=64):

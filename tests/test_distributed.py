@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from remat_pass.distributed import RunOptions, measure_config
-from remat_pass.fsdp_measure import measure_fsdp
-from remat_pass.launch import RankFailed, run_ranks
-from remat_pass.parallel import ParallelConfig
+from remat_pass.parallel.distributed import RunOptions, measure_config
+from remat_pass.parallel.fsdp_measure import measure_fsdp
+from remat_pass.parallel.launch import RankFailed, run_ranks
+from remat_pass.parallel.ranks import ParallelConfig
 
 SMALL = (("batch", 4), ("layers", 2), ("seq", 16), ("hidden", 32), ("ffn", 64), ("vocab", 64))
 
@@ -54,7 +54,7 @@ def test_tensor_parallel_predicted_equals_measured_on_every_rank():
     """t = 2 with sequence parallelism: each rank's graph holds its local shards and
     functional collectives; the prediction equals the least measured peak of repeated
     steps (gloo's worker threads release some collective buffers late in single runs,
-    see remat_pass.distributed); gradients bitwise equal to ``none`` on the rank and
+    see remat_pass.parallel.distributed); gradients bitwise equal to ``none`` on the rank and
     within rounding of the single-process model."""
     config = ParallelConfig(tp=2, sp=True)
     rows = measure_config(config, RunOptions("remat_pass.models:tiny_llama", SMALL, (("none", None),), repeats=5),
@@ -73,7 +73,7 @@ def test_fsdp2_predicted_equals_measured_on_every_rank():
     equals its least measured peak, and so does the maximum inside every pre-forward /
     pre-backward hook; gradients gathered from the shards match the single-process
     model. (Inside the post-backward hooks of the last layer and the root the
-    prediction is lower: gloo's reduce-scatter copies, see remat_pass.fsdp.)"""
+    prediction is lower: gloo's reduce-scatter copies, see remat_pass.parallel.fsdp.)"""
     rows = measure_fsdp(ParallelConfig(fsdp=2), RunOptions("remat_pass.models:tiny_llama", SMALL, (("none", None),),
                                                           repeats=3), deadline_s=300, start_method="forkserver")
     assert [r.rank for r in rows] == [0, 1]

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from remat_pass import schedule
+from remat_pass.recompute import schedule
 from remat_pass.errors import InvalidSchedule, LayerStackNotFound, RematError
-from remat_pass.regions import find_layer_stack
-from remat_pass.sweep import Session
+from remat_pass.graph.regions import find_layer_stack
+from remat_pass.evaluate.session import Session
 
 
 class NoStack(nn.Module):

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import RematError, UnsupportedGraph
-from remat_pass.fake_trace import check_trace_device, has_no_data, trace_joint_fake
-from remat_pass.liveness import analyze
-from remat_pass.regions import assign_layers
-from remat_pass.rewrite import rewrite
-from remat_pass.sweep import Session
-from remat_pass.trace import trace_joint
+from remat_pass.graph.fake_trace import check_trace_device, has_no_data, trace_joint_fake
+from remat_pass.liveness.timeline import analyze
+from remat_pass.graph.regions import assign_layers
+from remat_pass.recompute.rewrite import rewrite
+from remat_pass.evaluate.session import Session
+from remat_pass.graph.trace import trace_joint
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -126,8 +126,8 @@ def test_a_joint_graph_without_gradients_is_refused():
     """Negative control, the bug of issue 11 replayed: fakes on device meta (what
     AOTAutograd made of meta parameters) lose the backward of ``nll_loss``; the joint
     graph comes out without any gradient and is refused, never returned."""
-    from remat_pass.flat_step import flatten_step
-    from remat_pass.trace import capture_joint, joint_graph
+    from remat_pass.graph.flat_step import flatten_step
+    from remat_pass.graph.trace import capture_joint, joint_graph
 
     _, _, meta, meta_inputs = real_and_meta("gpt2", 1)
     flat = flatten_step(meta, meta_inputs, None)
@@ -177,7 +177,7 @@ def test_tied_weights_stay_tied():
 
 def test_a_closure_constant_on_the_meta_device_is_named():
     """tiny_gpt's loss closes over its targets; built on meta they have no values."""
-    from remat_pass.configs import build_factory
+    from remat_pass.models.configs import build_factory
 
     model, inputs, loss_fn = build_factory("remat_pass.models:tiny_gpt", meta=True, batch=2, seq=8, layers=1,
                                            hidden=16, heads=2, vocab=32)
@@ -210,7 +210,7 @@ def test_reading_values_names_the_op():
 @pytest.mark.slow
 def test_symbolic_fake_trace_equals_the_real_one():
     """batch and seq as symbols: the meta model's symbolic peaks are the real model's."""
-    from remat_pass.symbolic import default_symbols, trace_symbolic
+    from remat_pass.liveness.symbolic import default_symbols, trace_symbolic
 
     real, inputs, meta, meta_inputs = real_and_meta("gpt2", 2)
     sym_real = trace_symbolic(real, inputs, None, default_symbols(inputs))

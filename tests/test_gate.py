@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from remat_pass import schedule
-from remat_pass.cli import EXIT_USAGE, main
-from remat_pass.gate import (
+from remat_pass.recompute import schedule
+from remat_pass.cli.main import EXIT_USAGE, main
+from remat_pass.report.gate import (
     EXIT_FAILED,
     EXIT_OK,
     check_budget,
@@ -18,8 +18,8 @@ from remat_pass.gate import (
     run_gate,
 )
 from remat_pass.formatting import fmt_bytes, parse_bytes, parse_fraction
-from remat_pass.report import report_json, reports_document, write_json
-from remat_pass.sweep import Session
+from remat_pass.report.schedule_report import report_json, reports_document, write_json
+from remat_pass.evaluate.session import Session
 
 CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat_pass.measure import grads_bitwise_equal, max_abs_diff, run_step
-from remat_pass.sweep import megatron_schedules
+from remat_pass.measure.run import grads_bitwise_equal, max_abs_diff, run_step
+from remat_pass.evaluate.session import megatron_schedules
 
 
 def _check_all_schedules(session, eager_tol):
@@ -39,7 +39,7 @@ def test_every_schedule_hand_written_gpt(tiny_gpt_session):
 def test_recompute_really_happens(tiny_gpt_session):
     """uniform(K) recomputes; none does not; the saved set shrinks."""
     s = tiny_gpt_session
-    from remat_pass import schedule
+    from remat_pass.recompute import schedule
 
     none_step, none_rep, _ = s.prepare(schedule.none(5))
     uni_step, uni_rep, _ = s.prepare(schedule.uniform(1, 5))

@@ -1,4 +1,4 @@
-"""Hugging Face families (``remat_pass.hf_families``): every distinct Megatron schedule
+"""Hugging Face families (``remat_pass.models.hf_families``): every distinct Megatron schedule
 and an optimized plan, gradients bitwise equal to the un-rewritten step and predicted ==
 measured peak; T5's two stacks both found; T5's symbolic model; Mixtral with 2 threads.
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from remat_pass import cli
-from remat_pass.planner import Planner
-from remat_pass.sweep import Session
+from remat_pass.plan.planner import Planner
+from remat_pass.evaluate.session import Session
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
-from remat_pass.hf_families import FAMILIES  # noqa: E402
-from remat_pass.schedule import distinct_megatron_schedules as distinct_schedules  # noqa: E402
+from remat_pass.models.hf_families import FAMILIES  # noqa: E402
+from remat_pass.recompute.schedule import distinct_megatron_schedules as distinct_schedules  # noqa: E402
 
 STACKS = {
     "llama": ["model.layers"], "mistral": ["model.layers"], "qwen2": ["model.layers"],
@@ -62,7 +62,7 @@ def test_mixtral_on_two_threads_never_crashes(threads, capsys):
     """Mixtral's batched_mm experts on 2 threads: the expert gradients of the
     un-rewritten step differ run to run on some CPUs (3.5e-10 here). The sweep must say
     so and judge each schedule against that difference, never crash."""
-    code = cli.main(["sweep", "--model", "remat_pass.hf_families:mixtral", "--layers", "2"])
+    code = cli.main(["sweep", "--model", "remat_pass.models.hf_families:mixtral", "--layers", "2"])
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     assert code == cli.EXIT_OK, out + err
@@ -73,12 +73,12 @@ def test_t5_symbolic_model(capsys):
     """Before: sympy ``PolynomialError: Max(1, seq - 1) contains an element of the set
     of generators``. Now the exact peaks of both stacks' schedules, equal to the
     concrete liveness peaks."""
-    code = cli.main(["model", "--model", "remat_pass.hf_families:t5", "--layers", "2"])
+    code = cli.main(["model", "--model", "remat_pass.models.hf_families:t5", "--layers", "2"])
     out, err = capsys.readouterr()
     assert code == cli.EXIT_OK, err
     assert "'encoder.block' (layers 0-1), 'decoder.block' (layers 2-3)" in out
     session = Session.create(*FAMILIES["t5"](layers=2))
-    from remat_pass import schedule as schedules
+    from remat_pass.recompute import schedule as schedules
     from remat_pass.formatting import fmt_bytes
 
     for sch in schedules.megatron_schedules(session.stack.layers_per_stack):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from remat_pass.inductor_memory import run_code, sdpa_scratch_bytes
-from remat_pass.liveness import live_timeline
+from remat_pass.compile.inductor_memory import run_code, sdpa_scratch_bytes
+from remat_pass.liveness.timeline import live_timeline
 
 CODE = '''
 def call(args):

@@ -1,4 +1,4 @@
-"""Inspection tables, graph dumps, per-step measured timeline (remat_pass.inspection)."""
+"""Inspection tables, graph dumps, per-step measured timeline (remat_pass.report.inspection)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from remat_pass import schedule
-from remat_pass.cli import main
-from remat_pass.inspection import (
+from remat_pass.recompute import schedule
+from remat_pass.cli.main import main
+from remat_pass.report.inspection import (
     DUMP_SUFFIX,
     describe_step,
     dump_step,
@@ -19,9 +19,9 @@ from remat_pass.inspection import (
     render,
     storage_intervals,
 )
-from remat_pass.liveness import analyze
-from remat_pass.measure import measure_step, measured_step_timeline
-from remat_pass.sweep import Session
+from remat_pass.liveness.timeline import analyze
+from remat_pass.measure.run import measure_step, measured_step_timeline
+from remat_pass.evaluate.session import Session
 
 CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3"]
 
@@ -181,7 +181,7 @@ def test_storage_intervals_fields(chain_session):
 
 def test_inspect_a_dump_written_by_the_torch_compile_backend(tmp_path, capsys):
     """What a user does after a training job compiled with the remat backend."""
-    backend_module = pytest.importorskip("remat_pass.backend")
+    backend_module = pytest.importorskip("remat_pass.compile.backend")
     from remat_pass.models import TinyGPT
 
     torch.manual_seed(0)

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
-from remat_pass.intervals import memory_intervals
-from remat_pass.layer_reuse import ReusedLayers, ReusedLayersModel
-from remat_pass.layer_roles import (
+from remat_pass.liveness.intervals import memory_intervals
+from remat_pass.liveness.layer_reuse import ReusedLayers, ReusedLayersModel
+from remat_pass.liveness.layer_roles import (
     block_order,
     requirements,
     roles_of,
@@ -23,16 +23,16 @@ from remat_pass.layer_roles import (
     template_role_strings,
     valid_roles,
 )
-from remat_pass.liveness import analyze, live_timeline
-from remat_pass.memory_model import MemoryModel
-from remat_pass.regions import assign_layers
-from remat_pass.rewrite import rewrite
-from remat_pass.symbolic import SymbolicModel
-from remat_pass.trace import trace_joint
-from remat_pass.configs import ModelSpec, build_from_config, load_config
-from remat_pass.layer_roles import TEMPLATE_LAYERS
-from remat_pass.sweep import Session
-from remat_pass.workload import WorkloadOptions, load_workload
+from remat_pass.liveness.timeline import analyze, live_timeline
+from remat_pass.memory.memory_model import MemoryModel
+from remat_pass.graph.regions import assign_layers
+from remat_pass.recompute.rewrite import rewrite
+from remat_pass.liveness.symbolic import SymbolicModel
+from remat_pass.graph.trace import trace_joint
+from remat_pass.models.configs import ModelSpec, build_from_config, load_config
+from remat_pass.liveness.layer_roles import TEMPLATE_LAYERS
+from remat_pass.evaluate.session import Session
+from remat_pass.evaluate.workload import WorkloadOptions, load_workload
 
 from conftest import load_hetero, small_tiny_gpt
 
@@ -136,8 +136,8 @@ def test_gpt2_with_dropout_equals_the_full_rewrite():
 @pytest.mark.slow
 def test_llama_bf16_cuda_kernels_equals_the_full_rewrite():
     """A fake bf16 Llama (GQA) traced with the CUDA kernels modelled, CUDA allocator."""
-    from remat_pass.cuda_target import CudaKernels
-    from remat_pass.fake_trace import trace_joint_fake
+    from remat_pass.memory.cuda_target import CudaKernels
+    from remat_pass.graph.fake_trace import trace_joint_fake
 
     def fake(layers: int):  # noqa: ANN202
         model, inputs, _ = llama_bf16(layers)
@@ -158,7 +158,7 @@ def test_chain_model_from_reused_layers_is_the_full_one():
     reuse = ReusedLayers(tj, ts, 7, "cpu")
     assert ReusedLayersModel.create(reuse).chain_costs() == SymbolicModel.from_joint(fj, fs).chain_costs()
     # the planner on the template plans the 7-layer stack as the full trace's does
-    from remat_pass.planner import Planner
+    from remat_pass.plan.planner import Planner
 
     reused = Planner(tj, ts, reuse.report, model=ReusedLayersModel.create(reuse))
     full = Planner(fj, fs, lambda sched: analyze(rewrite(fj, fs, sched), "cpu"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat_pass import schedule
-from remat_pass.liveness import analyze
-from remat_pass.measure import measure_step
-from remat_pass.sweep import Session
+from remat_pass.recompute import schedule
+from remat_pass.liveness.timeline import analyze
+from remat_pass.measure.run import measure_step
+from remat_pass.evaluate.session import Session
 
 MIB = 2**20
 

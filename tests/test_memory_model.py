@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from remat_pass import schedule as schedules
-from remat_pass.calibration import CalibrationOptions, Calibrator
-from remat_pass.cli import main
-from remat_pass.gate import gate
-from remat_pass.liveness import analyze
-from remat_pass.measure import measured_step_timeline
-from remat_pass.memory_model import MemoryModel
-from remat_pass.op_signature import cpu_flags, op_call, signature_of
-from remat_pass.report import markdown_from_json, read_reports, report_json, write_report
-from remat_pass.scratch_table import table_entry
-from remat_pass.sweep import Session
+from remat_pass.recompute import schedule as schedules
+from remat_pass.memory.calibration import CalibrationOptions, Calibrator
+from remat_pass.cli.main import main
+from remat_pass.report.gate import gate
+from remat_pass.liveness.timeline import analyze
+from remat_pass.measure.run import measured_step_timeline
+from remat_pass.memory.memory_model import MemoryModel
+from remat_pass.graph.op_signature import cpu_flags, op_call, signature_of
+from remat_pass.report.schedule_report import markdown_from_json, read_reports, report_json, write_report
+from remat_pass.memory.scratch_table import table_entry
+from remat_pass.evaluate.session import Session
 from zoo import ZOO
 
 

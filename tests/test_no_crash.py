@@ -14,12 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat_pass import cli
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import InvalidSchedule, UnsupportedGraph
-from remat_pass.planner import Planner
-from remat_pass.sweep import Session
+from remat_pass.plan.planner import Planner
+from remat_pass.evaluate.session import Session
 
-from remat_pass.schedule import distinct_megatron_schedules as distinct_schedules
+from remat_pass.recompute.schedule import distinct_megatron_schedules as distinct_schedules
 
 B, D, C = 5, 12, 7
 
@@ -298,7 +298,7 @@ def test_failing_budget_names_the_schedules_that_fit(tmp_path, capsys):
 
 def test_tables_sort_node_names_naturally():
     """Before: ``_softmax_10`` and ``_softmax_11`` before ``_softmax_2`` (string order)."""
-    from remat_pass.report import markdown_from_json
+    from remat_pass.report.schedule_report import markdown_from_json
 
     root = Path(__file__).resolve().parents[1]
     doc = json.loads((root / ".ci" / "baseline" / "default_model.json").read_text())["reports"][0]

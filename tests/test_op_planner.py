@@ -9,12 +9,12 @@ import json
 import pytest
 
 from conftest import small_gpt2
-from remat_pass.cli import EXIT_USAGE, main
+from remat_pass.cli.main import EXIT_USAGE, main
 from remat_pass.errors import InfeasibleBudget
 from remat_pass.models import linear_chain
-from remat_pass.op_planner import OpPlanner
-from remat_pass.planner import Planner
-from remat_pass.sweep import Session
+from remat_pass.plan.op_planner import OpPlanner
+from remat_pass.plan.planner import Planner
+from remat_pass.evaluate.session import Session
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1

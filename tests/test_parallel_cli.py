@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from remat_pass.cli import EXIT_USAGE, main
+from remat_pass.cli.main import EXIT_USAGE, main
 
 
 class NoStack(nn.Module):

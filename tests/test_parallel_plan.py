@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from remat_pass.errors import InfeasibleBudget
-from remat_pass.parallel import ParallelConfig, RankPrediction
-from remat_pass.parallel_plan import megatron_flags, plan_stages, stage_plan_text
-from remat_pass.pipeline import RankPeak
+from remat_pass.parallel.ranks import ParallelConfig, RankPrediction
+from remat_pass.parallel.plan import megatron_flags, plan_stages, stage_plan_text
+from remat_pass.parallel.pipeline import RankPeak
 
 MIB = 1 << 20
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.models import linear_chain
-from remat_pass.partition import partition
-from remat_pass.regions import assign_layers
-from remat_pass.trace import trace_joint
+from remat_pass.recompute.partition import partition
+from remat_pass.graph.regions import assign_layers
+from remat_pass.graph.trace import trace_joint
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1

@@ -7,8 +7,8 @@ import torch
 
 from remat_pass.errors import InvalidOption, RematError
 from remat_pass.models import tiny_llama
-from remat_pass.parallel import ParallelConfig, fake_process_group, predict_rank, trace_rank
-from remat_pass.pipeline import (
+from remat_pass.parallel.ranks import ParallelConfig, fake_process_group, predict_rank, trace_rank
+from remat_pass.parallel.pipeline import (
     Action,
     StageProfile,
     compose,
@@ -120,7 +120,7 @@ def test_tp_x_pp_ranks_traced_one_after_another_in_one_process():
     process groups of ranks 2 and 3 are named differently from those of ranks 0 and 1,
     so DTensor's caches must not carry the earlier ranks' meshes over (they did:
     "Could not resolve the process group registered under the name 3")."""
-    from remat_pass.parallel_plan import predict_config
+    from remat_pass.parallel.plan import predict_config
 
     model, inputs, _ = tiny_llama(batch=4, seq=16, layers=2, hidden=32, ffn=64, vocab=64)
     preds = predict_config(model, inputs, ParallelConfig(tp=2, sp=True, pp=2, microbatches=2), [("none", None)])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat_pass.cli import main
+from remat_pass.cli.main import main
 from remat_pass.errors import InfeasibleBudget  # noqa: F401  (the error plan reports)
 
 pytest.importorskip("transformers")

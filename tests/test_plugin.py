@@ -60,14 +60,14 @@ def _import_what_the_project_imports():
     """pytester runs the project in this process and afterwards drops the modules the run
     imported; torch cannot import some of them twice (TORCH_LIBRARY registrations), so
     import them here first, by doing once what the project's tests do."""
-    from remat_pass import schedule
-    from remat_pass.gate import run_gate
-    from remat_pass.liveness import analyze
+    from remat_pass.recompute import schedule
+    from remat_pass.report.gate import run_gate
+    from remat_pass.liveness.timeline import analyze
     from remat_pass.models import linear_chain
-    from remat_pass.regions import assign_layers
-    from remat_pass.report import report_json
-    from remat_pass.rewrite import rewrite
-    from remat_pass.trace import trace_joint
+    from remat_pass.graph.regions import assign_layers
+    from remat_pass.report.schedule_report import report_json
+    from remat_pass.recompute.rewrite import rewrite
+    from remat_pass.graph.trace import trace_joint
 
     joint = trace_joint(*linear_chain(batch=4, width=8, layers=2))
     stack = assign_layers(joint)

@@ -13,15 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import small_gpt2, small_tiny_gpt
-from remat_pass import schedule as schedules
-from remat_pass.backend_options import BackendOptions
-from remat_pass.cli import EXIT_USAGE, main
+from remat_pass.recompute import schedule as schedules
+from remat_pass.compile.options import BackendOptions
+from remat_pass.cli.main import EXIT_USAGE, main
 from remat_pass.errors import InvalidSchedule
-from remat_pass.module_paths import normalize_module_path
-from remat_pass.partition import partition
-from remat_pass.policies import module_kinds, recompute_modules, save_policy
-from remat_pass.rewrite import rewrite
-from remat_pass.sweep import Session
+from remat_pass.graph.module_paths import normalize_module_path
+from remat_pass.recompute.partition import partition
+from remat_pass.recompute.policies import module_kinds, recompute_modules, save_policy
+from remat_pass.recompute.rewrite import rewrite
+from remat_pass.evaluate.session import Session
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1

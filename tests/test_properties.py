@@ -29,10 +29,10 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
-from remat_pass.planner import Planner
-from remat_pass.sweep import Session
+from remat_pass.plan.planner import Planner
+from remat_pass.evaluate.session import Session
 from stacks import StackSpec, build, stack_specs
 
 LOG_ENV = "REMAT_PROPERTY_LOG"

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import UnsupportedGraph
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,11 +98,11 @@ def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():
     and a step whose values are unknown (a fake trace of the same model) gets no
     calibrated figure for the op, with the reason."""
     transformers = pytest.importorskip("transformers")
-    from remat_pass.fake_trace import trace_joint_fake
-    from remat_pass.hf_families import mixtral
-    from remat_pass.op_signature import VALUE_ARGUMENTS, op_call, recorded_values, value_argument
-    from remat_pass.regions import assign_layers
-    from remat_pass.rewrite import rewrite
+    from remat_pass.graph.fake_trace import trace_joint_fake
+    from remat_pass.models.hf_families import mixtral
+    from remat_pass.graph.op_signature import VALUE_ARGUMENTS, op_call, recorded_values, value_argument
+    from remat_pass.graph.regions import assign_layers
+    from remat_pass.recompute.rewrite import rewrite
 
     transformers.logging.set_verbosity_error()
     model, inputs, _ = mixtral(layers=2, hidden=32, seq=16, experts_implementation=None)

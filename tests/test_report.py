@@ -1,4 +1,4 @@
-"""Report JSON (schema-valid, versioned, deterministic), Markdown and PNG (remat_pass.report)."""
+"""Report JSON (schema-valid, versioned, deterministic), Markdown and PNG (remat_pass.report.schedule_report)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from remat_pass import schedule
-from remat_pass.cli import main
-from remat_pass.liveness import analyze
+from remat_pass.recompute import schedule
+from remat_pass.cli.main import main
+from remat_pass.liveness.timeline import analyze
 from remat_pass.formatting import fmt_bytes, mib, text_table
-from remat_pass.plot import plot_timeline
-from remat_pass.report import (
+from remat_pass.report.plot import plot_timeline
+from remat_pass.report.schedule_report import (
     SCHEMA_FILE,
     SCHEMA_VERSION,
     read_reports,
@@ -22,7 +22,7 @@ from remat_pass.report import (
     schema,
     write_json,
 )
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 jsonschema = pytest.importorskip("jsonschema")
 CHAIN = ["--model", "remat_pass.models:linear_chain", "--layers", "3"]
@@ -44,12 +44,12 @@ def test_schema_is_a_valid_draft_2020_12_schema_shipped_as_package_data():
     import importlib.resources
 
     jsonschema.Draft202012Validator.check_schema(schema())
-    assert importlib.resources.files("remat_pass").joinpath("report_schema.json").is_file()
+    assert importlib.resources.files("remat_pass.report").joinpath("report_schema.json").is_file()
     assert SCHEMA_FILE.name == "report_schema.json"
 
 
 def test_report_json_is_valid_for_every_schedule(gpt2_session):
-    from remat_pass.sweep import megatron_schedules
+    from remat_pass.evaluate.session import megatron_schedules
 
     docs = []
     for sched in megatron_schedules(gpt2_session.stack.num_layers):
@@ -143,8 +143,8 @@ def test_markdown_names_peak_where_live_and_saved(gpt2_session):
 
 
 def test_plot_timeline_writes_pngs(chain_session, tmp_path):
-    from remat_pass.measure import measured_step_timeline
-    from remat_pass.measure import measure_step
+    from remat_pass.measure.run import measured_step_timeline
+    from remat_pass.measure.run import measure_step
 
     step, report, _ = chain_session.prepare(schedule.uniform(1, 3))
     aligned = measured_step_timeline(step, chain_session.joint)

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 from remat_pass import cli
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import GradientMismatch
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 # A stand-in for a kernel whose reduction order depends on thread timing: the identity
 # forward, and a backward that scales the incoming gradient by 1 + 2^-20 on every other
@@ -127,7 +127,7 @@ def test_a_run_outside_the_envelope_is_run_again(session, monkeypatch):
     """The measured run of uniform(K=1) draws an order the reference runs never showed
     (CI saw this once on Mixtral: 4.7e-10 against an envelope of 4.7e-10 on another
     gradient); its next run is inside, so the schedule is within, not a mismatch."""
-    sweep = importlib.import_module("remat_pass.sweep")  # the package exports a function sweep
+    sweep = importlib.import_module("remat_pass.evaluate.session")  # the package exports a function sweep
     monkeypatch.setattr(sweep, "measure_step", _outlier_during(sweep.measure_step))
     r = session.evaluate(schedules.uniform(1, 3))
     assert r.grads_within_run_to_run and r.max_grad_diff_vs_reference <= r.run_to_run_grad_diff
@@ -136,7 +136,7 @@ def test_a_run_outside_the_envelope_is_run_again(session, monkeypatch):
 def test_a_schedule_outside_the_envelope_at_every_run_is_a_mismatch(session, monkeypatch):
     """Negative control: when every run of the rewritten step is outside (as wrong
     gradients are), the reruns do not hide it."""
-    sweep = importlib.import_module("remat_pass.sweep")  # the package exports a function sweep
+    sweep = importlib.import_module("remat_pass.evaluate.session")  # the package exports a function sweep
     monkeypatch.setattr(sweep, "measure_step", _outlier_during(sweep.measure_step))
     monkeypatch.setattr(sweep, "run_step", _outlier_during(sweep.run_step))
     with pytest.raises(GradientMismatch):

@@ -217,9 +217,9 @@ def test_negative_recompute_budget():
 # --------------------------------------------------------------------------- real graphs
 
 torch = pytest.importorskip("torch")
-from remat_pass import schedule as S  # noqa: E402
-from remat_pass.planner import Planner  # noqa: E402
-from remat_pass.sweep import Session, megatron_schedules  # noqa: E402
+from remat_pass.recompute import schedule as S  # noqa: E402
+from remat_pass.plan.planner import Planner  # noqa: E402
+from remat_pass.evaluate.session import Session, megatron_schedules  # noqa: E402
 from conftest import load_hetero  # noqa: E402
 
 

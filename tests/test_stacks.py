@@ -16,12 +16,12 @@ import torch.nn as nn
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from remat_pass import cli
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import InvalidSchedule, LayerStackNotFound, RematError, UnsupportedGraph
-from remat_pass.planner import Planner
-from remat_pass.regions import find_layer_stacks
-from remat_pass.sweep import Session
-from remat_pass.symbolic_sizes import SizeConverter
+from remat_pass.plan.planner import Planner
+from remat_pass.graph.regions import find_layer_stacks
+from remat_pass.evaluate.session import Session
+from remat_pass.liveness.symbolic_sizes import SizeConverter
 from solvers import least_recompute, model_peak, pareto_front
 
 from test_solvers import all_groupings, random_costs
@@ -240,7 +240,7 @@ def test_op_whose_meta_refuses_the_inputs_is_named(capfd):
 def test_mixtral_grouped_mm_is_refused_with_the_fix(capfd):
     """transformers' Mixtral with its default grouped_mm experts in fp32 (slow to build:
     the error is what is checked, no sweep)."""
-    hf = pytest.importorskip("remat_pass.hf_families")
+    hf = pytest.importorskip("remat_pass.models.hf_families")
     pytest.importorskip("transformers")
     model, inputs, loss_fn = hf.mixtral(layers=2, experts_implementation=None)
     with pytest.raises(UnsupportedGraph, match="_experts_implementation = 'batched_mm'") as e:

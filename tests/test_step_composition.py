@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from remat_pass.intervals import Storage
-from remat_pass.step_composition import Phase, Place, SpanTensor, compose_step, compose_timeline
-from remat_pass.step_flow import GraphCall, GraphLiveness, step_flow
+from remat_pass.liveness.intervals import Storage
+from remat_pass.liveness.composition import Phase, Place, SpanTensor, compose_step, compose_timeline
+from remat_pass.liveness.step_flow import GraphCall, GraphLiveness, step_flow
 from solvers.poly import Poly, pareto_max
 
 

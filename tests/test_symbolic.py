@@ -10,16 +10,16 @@ import torch
 
 from solvers import closed_forms
 
-from remat_pass import schedule as S
-from remat_pass.liveness import analyze
-from remat_pass.measure import measure_step
-from remat_pass.regions import assign_layers
-from remat_pass.rewrite import rewrite
+from remat_pass.recompute import schedule as S
+from remat_pass.liveness.timeline import analyze
+from remat_pass.measure.run import measure_step
+from remat_pass.graph.regions import assign_layers
+from remat_pass.recompute.rewrite import rewrite
 from remat_pass.formatting import parse_bytes
-from remat_pass.plan_report import symbolic_model_text
-from remat_pass.symbolic import default_symbols, trace_symbolic
-from remat_pass.sweep import megatron_schedules
-from remat_pass.trace import trace_joint
+from remat_pass.report.plan_report import symbolic_model_text
+from remat_pass.liveness.symbolic import default_symbols, trace_symbolic
+from remat_pass.evaluate.session import megatron_schedules
+from remat_pass.graph.trace import trace_joint
 
 from conftest import load_hetero
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import InvalidSchedule, RematError
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 from zoo import ZOO
 from zoo.common import ZooEntry, stack, x
 from zoo.ops import SDPA

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from remat_pass.errors import RematError
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 B, T, D = 4, 8, 16
 VOCAB = 40

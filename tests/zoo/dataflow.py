@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from remat_pass import schedule as schedules
+from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import LayerStackNotFound
-from remat_pass.sweep import Session
+from remat_pass.evaluate.session import Session
 
 from .common import T, D, Block, Stack, ZooEntry, allowed, ids, layers_of, seeded, sq, stack_of, x
 

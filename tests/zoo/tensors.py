@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from remat_pass import schedule as schedules
-from remat_pass.sweep import Session
+from remat_pass.recompute import schedule as schedules
+from remat_pass.evaluate.session import Session
 
 from .common import (
     D, VOCAB, Block, Stack, ZooEntry, frozen_stack, ids, in_eval, layers_of, seeded, sq, stack,

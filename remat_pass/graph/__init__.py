@@ -1,0 +1,1 @@
+"""The traced step: a training step traced into one joint forward+backward graph (real, meta or fake), the module path and layer of every node, the per-node facts (bytes, aliasing, FLOPs, op signatures) later stages read."""

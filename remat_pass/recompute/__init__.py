@@ -1,0 +1,1 @@
+"""The recompute decision and the rewrite: Megatron-LM schedules, the node-level Partition (saved activations, recompute segments), op-level policies, and the forward / backward graphs built from it."""

@@ -1,0 +1,1 @@
+"""Reports: versioned JSON, Markdown, tables, PNG timelines, graph inspection, the CI gate."""
