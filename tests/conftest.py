@@ -1,5 +1,7 @@
 """Shared fixtures: small traced models, reused across tests of a module; the hypothesis
-profiles; a per-session calibration cache."""
+profiles; a per-session calibration cache. The helpers the tests import (small models,
+the zoo, generated stacks, the chain oracle) live in ``tests/helpers/`` (on the path:
+``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from remat_pass.memory.calibration import CACHE_ENV
-from remat_pass.models import gpt2, tiny_gpt
+# helpers/ holds modules the tests import, not tests (and no doctests)
+collect_ignore = ["helpers"]
+
+from small_models import small_gpt2, small_tiny_gpt  # noqa: F401 - the fixtures below build them
 from remat_pass.evaluate.session import Session
 
 # Hypothesis profiles of the property tests (tests/test_properties.py). "default" (the
@@ -42,30 +47,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def small_gpt2(layers: int = 3, dropout: float = 0.0, **kw):
-    """A tiny transformers GPT-2 (hidden 64, seq 32, vocab 256)."""
-    pytest.importorskip("transformers")
-    return gpt2(batch=2, seq=32, layers=layers, hidden=64, heads=4, vocab=256, dropout=dropout, **kw)
-
-
-def small_tiny_gpt(layers: int = 4, **kw):
-    """A tiny hand-written GPT (hidden 64, seq 32, vocab 128)."""
-    return tiny_gpt(batch=2, seq=32, layers=layers, hidden=64, heads=4, vocab=128, **kw)
-
-
-def load_hetero():
-    """The heterogeneous stack of ``benchmarks/hetero.py`` (blocks of one class whose
-    widths and kinds differ), loaded as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hetero.py"
-    spec = importlib.util.spec_from_file_location("remat_hetero", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

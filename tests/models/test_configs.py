@@ -14,7 +14,7 @@ import pytest
 from remat_pass.cli.main import main
 from remat_pass.models.configs import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_7B = ROOT / "examples" / "configs" / "llama2-7b.json"
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64}

@@ -25,7 +25,7 @@ from remat_pass.report.inspection import load_dump
 from remat_pass.models import TinyGPT
 from remat_pass.evaluate.session import Session
 
-from conftest import small_gpt2, small_tiny_gpt
+from small_models import small_gpt2, small_tiny_gpt
 
 STEPS = 5
 SCHEDULES = {"uniform2": ("uniform", 2), "block3": ("block", 3), "none": ("none", None)}

@@ -149,7 +149,7 @@ def test_cli_check_exit_codes(tmp_path, capsys, small):
     wide = tmp_path / "wide.json"
     assert main(["report", *CHAIN, "--batch", "1024", "--json", str(wide)]) == EXIT_OK
     capsys.readouterr()
-    grown = ["--model", "test_gate:gelu_chain", "--layers", "3", "--batch", "1024"]
+    grown = ["--model", "tests.report.test_gate:gelu_chain", "--layers", "3", "--batch", "1024"]
     assert main(["check", *grown, "--baseline", str(wide), "--max-regression", "1%"]) == EXIT_FAILED
     out = capsys.readouterr().out
     assert "REGRESSION" in out and "new or larger" in out and "layer" in out

@@ -21,7 +21,7 @@ from remat_pass.liveness.symbolic import default_symbols, trace_symbolic
 from remat_pass.evaluate.session import megatron_schedules
 from remat_pass.graph.trace import trace_joint
 
-from conftest import load_hetero
+from small_models import load_hetero
 
 SHAPES = [(2, 8), (3, 16), (4, 12), (5, 24), (7, 40)]
 

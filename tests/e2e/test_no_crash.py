@@ -174,7 +174,7 @@ def test_commands_exit_2_naming_the_node(command, capsys):
     """``report`` and ``check`` predict without measuring: they refuse the step too,
     before printing a peak for it."""
     extra = ["--budget", "1GiB"] if command == "check" else []
-    code = cli.main([command, "--model", "test_no_crash:batch_norm_transposed", *extra])
+    code = cli.main([command, "--model", "tests.e2e.test_no_crash:batch_norm_transposed", *extra])
     captured = capsys.readouterr()
     assert code == cli.EXIT_USAGE and "cannot run: node view" in captured.err and "Traceback" not in captured.err
     assert "peak" not in captured.out
@@ -212,21 +212,21 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("factory,message", [
-    ("factory_raises", "factory test_no_crash:factory_raises raised RuntimeError: no such checkpoint"),
-    ("factory_string_inputs", "factory test_no_crash:factory_string_inputs returned example inputs of type str"),
+    ("factory_raises", "factory tests.e2e.test_no_crash:factory_raises raised RuntimeError: no such checkpoint"),
+    ("factory_string_inputs", "factory tests.e2e.test_no_crash:factory_string_inputs returned example inputs of type str"),
     ("factory_vector_loss", r"scalar loss: the loss_fn returned a tensor of shape [4, 16] (float32)"),
 ])
 def test_bad_factory_is_named_not_a_traceback(factory, message, capsys):
     """Before: the factory's own traceback; a TypeError from inside tracing; a loss named
     by its internal tensor type (FunctionalTensor)."""
-    code, _, err = _run(capsys, "report", "--model", f"test_no_crash:{factory}")
+    code, _, err = _run(capsys, "report", "--model", f"tests.e2e.test_no_crash:{factory}")
     assert code == cli.EXIT_USAGE and message in err and "Traceback" not in err, err
 
 
 @pytest.fixture(scope="module")
 def dump_file(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("dump")
-    assert cli.main(["inspect", "--model", "test_no_crash:linear", "--schedule", "uniform",
+    assert cli.main(["inspect", "--model", "tests.e2e.test_no_crash:linear", "--schedule", "uniform",
                      "--recompute-num-layers", "1", "--dump", str(folder), "--section", "summary"]) == 0
     (path,) = folder.glob("*.remat.json")
     return path
@@ -258,7 +258,7 @@ def test_binary_files_name_the_file(dump_file, tmp_path, capsys):
 
 def test_report_with_a_negative_peak_is_refused(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert cli.main(["report", "--model", "test_no_crash:linear", "--json", str(path)]) == 0
+    assert cli.main(["report", "--model", "tests.e2e.test_no_crash:linear", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     doc["peak_bytes"] = -1
     path.write_text(json.dumps(doc))
@@ -269,12 +269,12 @@ def test_report_with_a_negative_peak_is_refused(tmp_path, capsys):
 def test_baseline_of_another_model_is_an_error(tmp_path, capsys):
     """Before: ``check --baseline`` of a 4x wider model against a narrow baseline passed."""
     base = tmp_path / "narrow.json"
-    assert cli.main(["report", "--model", "test_no_crash:linear", "--all-schedules", "--json", str(base)]) == 0
-    code, _, err = _run(capsys, "check", "--model", "test_no_crash:linear_wide", "--all-schedules",
+    assert cli.main(["report", "--model", "tests.e2e.test_no_crash:linear", "--all-schedules", "--json", str(base)]) == 0
+    code, _, err = _run(capsys, "check", "--model", "tests.e2e.test_no_crash:linear_wide", "--all-schedules",
                         "--baseline", str(base))
     assert code == cli.EXIT_USAGE and "the baseline is of another model" in err, err
     assert "static bytes (parameters, buffers and inputs)" in err
-    code, out, err = _run(capsys, "check", "--model", "test_no_crash:linear", "--all-schedules", "--baseline", str(base))
+    code, out, err = _run(capsys, "check", "--model", "tests.e2e.test_no_crash:linear", "--all-schedules", "--baseline", str(base))
     assert code == cli.EXIT_OK, out + err
 
 
@@ -289,7 +289,7 @@ def test_failing_budget_names_the_schedules_that_fit(tmp_path, capsys):
     peaks = {s.provenance: session.report(s).peak_bytes for s in schedules.megatron_schedules(3)}
     budget = (peaks["none"] + peaks["uniform(K=1)"]) // 2
     assert peaks["uniform(K=1)"] <= budget < peaks["none"]
-    code, out, _ = _run(capsys, "check", "--model", "test_no_crash:tanh_net", "--budget", str(budget))
+    code, out, _ = _run(capsys, "check", "--model", "tests.e2e.test_no_crash:tanh_net", "--budget", str(budget))
     fit = sorted(name for name, peak in peaks.items() if peak <= budget)
     assert code == 1 and "schedules whose predicted peak fits" in out
     line = out.splitlines()[-1]
@@ -300,7 +300,7 @@ def test_tables_sort_node_names_naturally():
     """Before: ``_softmax_10`` and ``_softmax_11`` before ``_softmax_2`` (string order)."""
     from remat_pass.report.schedule_report import markdown_from_json
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     doc = json.loads((root / ".ci" / "baseline" / "default_model.json").read_text())["reports"][0]
     md = markdown_from_json(doc, top=20)
     table = md.split("#### Largest tensors live at the peak")[1].split("####")[0]

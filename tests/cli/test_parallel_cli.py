@@ -52,7 +52,7 @@ def test_bad_parallel_setting_exits_2_with_the_legal_values(argv, says, capsys):
 
 
 def test_fsdp_on_a_model_without_per_layer_wrapping_exits_2(capsys):
-    assert main(["sweep", "--model", "test_parallel_cli:no_stack", "--fsdp", "2"]) == EXIT_USAGE
+    assert main(["sweep", "--model", "tests.cli.test_parallel_cli:no_stack", "--fsdp", "2"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "--fsdp wraps each layer with fully_shard" in err and "no layer stack" in err
 

@@ -146,7 +146,7 @@ def test_a_schedule_outside_the_envelope_at_every_run_is_a_mismatch(session, mon
 def test_sweep_command_says_so_and_does_not_crash(capsys):
     """Before: every row 'gradients unequal' and ``TypeError: unsupported operand
     type(s) for /: 'NoneType' and 'int'`` in the progress line."""
-    code = cli.main(["sweep", "--model", "test_run_to_run:jittery_model"])
+    code = cli.main(["sweep", "--model", "tests.evaluate.test_run_to_run:jittery_model"])
     out, err = capsys.readouterr()
     assert code == cli.EXIT_OK, err
     assert "not bitwise reproducible" in out and "within" in out

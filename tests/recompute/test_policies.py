@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import small_gpt2, small_tiny_gpt
+from small_models import small_gpt2, small_tiny_gpt
 from remat_pass.recompute import schedule as schedules
 from remat_pass.compile.options import BackendOptions
 from remat_pass.cli.main import EXIT_USAGE, main

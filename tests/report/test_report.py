@@ -202,7 +202,7 @@ def test_committed_reports_are_valid():
     """The CI baseline and the example reports follow the schema this version writes."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     paths = [root / ".ci" / "baseline" / "default_model.json", *sorted((root / "examples" / "reports").glob("*.json"))]
     for path in paths:
         if path.exists():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import small_gpt2
+from small_models import small_gpt2
 from remat_pass.cli.main import EXIT_USAGE, main
 from remat_pass.errors import InfeasibleBudget
 from remat_pass.models import linear_chain

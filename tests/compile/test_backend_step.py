@@ -26,7 +26,7 @@ from remat_pass.report.schedule_report import schema
 from remat_pass.plan.planner import Planner
 from remat_pass.evaluate.session import Session
 
-from conftest import small_gpt2
+from small_models import small_gpt2
 
 needs_cxx = pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("c++")) or os.environ.get("REMAT_PASS_SKIP_INDUCTOR") == "1",

@@ -34,7 +34,7 @@ from remat_pass.liveness.layer_roles import TEMPLATE_LAYERS
 from remat_pass.evaluate.session import Session
 from remat_pass.evaluate.workload import WorkloadOptions, load_workload
 
-from conftest import load_hetero, small_tiny_gpt
+from small_models import load_hetero, small_tiny_gpt
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1

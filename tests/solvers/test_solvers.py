@@ -11,10 +11,10 @@ import random
 import pytest
 
 import chain_oracle
+from chain_cases import all_groupings, random_costs
 from remat_pass.errors import InfeasibleBudget
 from solvers import (
     ChainCosts,
-    StoredOption,
     least_feasible_checked,
     least_feasible_peak,
     least_peak,
@@ -25,45 +25,6 @@ from solvers import (
     pareto_front,
 )
 from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
-
-
-def all_groupings(L: int) -> list[tuple[tuple[int, ...], ...]]:
-    """Every schedule: each layer stored or in a group of consecutive layers."""
-    out: list[tuple] = []
-
-    def rec(i: int, acc: list) -> None:
-        if i == L:
-            out.append(tuple(acc))
-            return
-        rec(i + 1, acc)
-        for q in range(i, L):
-            rec(q + 1, acc + [tuple(range(i, q + 1))])
-
-    rec(0, [])
-    return out
-
-
-def random_costs(L: int, seed: int, options: int = 0, scale: int = 1) -> ChainCosts:
-    """Random heterogeneous chain costs; ``options`` op-level options per layer (each
-    saving part of the stored bytes for some recompute); every figure times ``scale``."""
-    r = random.Random(seed)
-
-    def v(lo: int, hi: int) -> tuple[int, ...]:
-        return tuple(scale * r.randint(lo, hi) for _ in range(L))
-
-    def opts(i: int) -> tuple[StoredOption, ...]:
-        return tuple(StoredOption(scale * r.randint(20, 150), scale * r.randint(40, 150),
-                                  scale * r.randint(80, 300), scale * r.randint(0, 60)) for _ in range(options))
-
-    return ChainCosts(
-        stored_saved_bytes=v(50, 200), last_saved_bytes=v(5, 20), member_saved_bytes=v(0, 3),
-        stored_forward_bytes=v(40, 150), recomputed_forward_bytes=v(30, 120),
-        stored_backward_bytes=v(100, 300), recomputed_backward_bytes=v(100, 300),
-        carry_bytes=v(50, 200), last_recompute_flops=v(10, 100), member_recompute_flops=v(10, 100),
-        head_bytes=scale * r.randint(0, 400), outer_bytes=scale * r.randint(0, 300),
-        shared_checkpoint_bytes=scale * r.randint(0, 30),
-        stored_options=tuple(opts(i) for i in range(L)) if options else (),
-    )
 
 
 def every_schedule(c: ChainCosts) -> list:
@@ -220,7 +181,7 @@ torch = pytest.importorskip("torch")
 from remat_pass.recompute import schedule as S  # noqa: E402
 from remat_pass.plan.planner import Planner  # noqa: E402
 from remat_pass.evaluate.session import Session, megatron_schedules  # noqa: E402
-from conftest import load_hetero  # noqa: E402
+from small_models import load_hetero  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ def test_plan_fails_when_the_measured_peak_exceeds_the_budget(capsys):
     convolution): the schedule predicted to fit measures over the budget, an error (exit
     1) with the figures; calibrated, that budget is refused as infeasible (exit 2), and
     the calibrated peak of ``none`` as a budget holds (exit 0)."""
-    args = ["plan", "--model", "test_memory_model:conv_stack", "--stack", "blocks"]
+    args = ["plan", "--model", "tests.memory.test_memory_model:conv_stack", "--stack", "blocks"]
     session = Session.create(*conv_stack(), calibration=None)
     budget = session.report(schedules.none(session.stack.num_layers)).peak_bytes
     assert main([*args, "--no-calibrate", "--budget", str(budget)]) == 1

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "property_stats.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "property_stats.py"
 _spec = importlib.util.spec_from_file_location("property_stats", _PATH)
 property_stats = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(property_stats)

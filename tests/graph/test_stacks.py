@@ -24,7 +24,7 @@ from remat_pass.evaluate.session import Session
 from remat_pass.liveness.symbolic_sizes import SizeConverter
 from solvers import least_recompute, model_peak, pareto_front
 
-from test_solvers import all_groupings, random_costs
+from chain_cases import all_groupings, random_costs
 from zoo.common import x
 from zoo.dataflow import EncDec
 
@@ -152,7 +152,7 @@ def test_planner_spans_both_stacks(session):
 
 def test_stack_option_is_repeatable_and_the_report_names_the_stacks(tmp_path, capsys):
     out = tmp_path / "r.json"
-    code = cli.main(["report", "--model", "test_stacks:enc_dec", "--stack", "dec", "--stack", "enc",
+    code = cli.main(["report", "--model", "tests.graph.test_stacks:enc_dec", "--stack", "dec", "--stack", "enc",
                      "--schedule", "uniform", "--recompute-num-layers", "2", "--json", str(out)])
     _, err = capsys.readouterr()
     assert code == cli.EXIT_OK, err
@@ -165,7 +165,7 @@ def test_stack_option_is_repeatable_and_the_report_names_the_stacks(tmp_path, ca
 
 @pytest.mark.slow
 def test_sweep_command_over_two_stacks(capsys):
-    assert cli.main(["sweep", "--model", "test_stacks:enc_dec"]) == cli.EXIT_OK
+    assert cli.main(["sweep", "--model", "tests.graph.test_stacks:enc_dec"]) == cli.EXIT_OK
     out, _ = capsys.readouterr()
     assert "uniform(K=3)" in out and "uniform(K=4)" not in out  # K runs to the longest stack's L
 
