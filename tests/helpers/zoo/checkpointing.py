@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from remat_pass.errors import UnsupportedGraph
 from remat_pass.models import gpt2
 
-from .common import Built, Stack, ZooEntry, allowed, layers_of, seeded, sq, x
+from .common import Built, Stack, ZooEntry, refused, layers_of, seeded, sq, x
 
 
 # ---- 12. the user's own activation checkpointing ---------------------------------------
@@ -55,27 +55,28 @@ ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry(
         "torch_checkpoint_reentrant_in_model",
         seeded(lambda: Ckpt(layers_of(3), use_reentrant=True), lambda: (x().requires_grad_(),)),
-        "the user's own reentrant torch.utils.checkpoint around every layer: swept or "
-        "refused clearly.",
+        "the user's own reentrant torch.utils.checkpoint around every layer: refused, "
+        "naming PyTorch's own reason (reentrant checkpoint cannot run under .grad()).",
         num_layers=3,
-        refusal=allowed(UnsupportedGraph),
+        refusal=refused(UnsupportedGraph, "use_reentrant=True, torch.utils.checkpoint is incompatible"),
     ),
     ZooEntry(
         "hf_gpt2_gradient_checkpointing_non_reentrant",
         hf_gpt2_checkpointed(reentrant=False),
         "HF GPT-2 with gradient_checkpointing_enable (non-reentrant); its packed-sequence "
-        "check branches on tensor values when not compiling, so a clear UnsupportedGraph "
-        "is as good as a correct sweep.",
+        "check branches on tensor values when not compiling: refused, naming the "
+        "data-dependent op.",
         num_layers=2,
-        refusal=allowed(UnsupportedGraph),
+        refusal=refused(UnsupportedGraph, r"aten\._local_scalar_dense\.default .* cannot be traced"),
         requires=("transformers",),
     ),
     ZooEntry(
         "hf_gpt2_gradient_checkpointing_reentrant",
         hf_gpt2_checkpointed(reentrant=True),
-        "HF GPT-2 with gradient_checkpointing_enable (reentrant): swept or refused clearly.",
+        "HF GPT-2 with gradient_checkpointing_enable (reentrant): refused, naming the "
+        "data-dependent op (the same packed-sequence check).",
         num_layers=2,
-        refusal=allowed(UnsupportedGraph),
+        refusal=refused(UnsupportedGraph, r"aten\._local_scalar_dense\.default .* cannot be traced"),
         requires=("transformers",),
     ),
 )

@@ -20,28 +20,22 @@ Built = tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """A RematError the sweep may see (``required=False``) or must see (``required=True``).
+    """The RematError ``Session.create`` must raise for an entry: a model the pass refuses
+    with a clear message instead of sweeping it. An entry either sweeps exactly or is
+    refused; no entry passes on either outcome.
 
     Attributes:
         error: the RematError subclass expected.
         match: a regex the message must match (``pytest.raises(match=)``), or None.
-        required: True: ``Session.create`` must raise ``error``. False: ``Session.create``
-            or the evaluation of any schedule may raise it, with a message.
     """
 
     error: type[RematError] = RematError
     match: str | None = None
-    required: bool = False
-
-
-def allowed(error: type[RematError] = RematError) -> Refusal:
-    """Either outcome is good: a correct sweep, or ``error`` with a message."""
-    return Refusal(error)
 
 
 def refused(error: type[RematError] = RematError, match: str | None = None) -> Refusal:
     """``Session.create`` must raise ``error`` (with a message matching ``match``)."""
-    return Refusal(error, match, required=True)
+    return Refusal(error, match)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +52,8 @@ class ZooEntry:
         expect_stack_path: the path the stack must be found at (None: not checked).
         empty_layers: layers of the stack expected to hold no graph node; any other
             empty layer is a silent miss.
-        refusal: the RematError allowed or required (None: none is allowed).
+        refusal: the RematError ``Session.create`` must raise (None: the entry must sweep
+            every schedule exactly).
         eager_grad_tolerance: largest allowed |grad - eager autograd grad|.
         check: an extra check on the Session after the sweep.
         requires: modules that must be importable (skipped otherwise).

@@ -13,7 +13,7 @@ from remat_pass.recompute import schedule as schedules
 from remat_pass.errors import LayerStackNotFound
 from remat_pass.evaluate.session import Session
 
-from .common import T, D, Block, Stack, ZooEntry, allowed, ids, layers_of, seeded, sq, stack_of, x
+from .common import T, D, Block, Stack, ZooEntry, refused, ids, layers_of, seeded, sq, stack_of, x
 
 
 # ---- 1. one module instance used several times --------------------------------------
@@ -262,11 +262,11 @@ ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry(
         "same_instance_twice_in_modulelist",
         seeded(shared_instance_stack),
-        "one Block instance at two positions of the ModuleList: refused or swept as 3 "
-        "layers, and tracing never replaces the model's own parameters (bug fixed in "
-        "1785695: a FunctionalTensor was left in the shared block).",
+        "one Block instance at two positions of the ModuleList: refused (one module "
+        "cannot have two layer indices), and tracing never replaces the model's own "
+        "parameters (bug fixed in 1785695: a FunctionalTensor was left in the shared block).",
         num_layers=3,
-        refusal=allowed(LayerStackNotFound),
+        refusal=refused(LayerStackNotFound, "is the same module instance as blocks.0"),
     ),
     ZooEntry(
         "block_called_twice_in_forward",
