@@ -1,6 +1,6 @@
 """Op scratch: predicted vs measured peaks with calibration and with the formula table only.
 
-For every model of the test zoo (``tests/zoo/``) that traces, and the shipped models
+For every model of the test zoo (``tests/helpers/zoo/``) that traces, and the shipped models
 (``remat_pass.models``: TinyGPT, the Linear chain, GPT-2), under every distinct
 Megatron schedule, prints the measured peak next to two predictions:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from remat_pass.memory.calibration import CACHE_ENV  # noqa: E402
 from remat_pass.errors import RematError  # noqa: E402

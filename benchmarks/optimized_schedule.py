@@ -80,7 +80,7 @@ def table(name: str, model, inputs, loss_fn, n_budgets: int = 8) -> list[str]:
 
 
 def random_chain(L: int, seed: int = 0) -> ChainCosts:
-    """Random heterogeneous chain costs (every layer different), as in tests/test_solvers.py."""
+    """Random heterogeneous chain costs (every layer different), as in tests/helpers/chain_cases.py."""
     r = random.Random(seed)
 
     def v(lo: int, hi: int) -> tuple[int, ...]:
@@ -103,9 +103,9 @@ def _cpu_ms(fn, repeats: int) -> tuple[float, object]:
 
 def solve_times(lengths: tuple[int, ...] = (12, 24, 48, 72, 96), old_up_to: int = 96) -> None:
     """The chain solver's time against L on random heterogeneous chains (budget 300 +
-    40 L), next to the dynamic program without bounds it replaced (tests/chain_oracle.py),
+    40 L), next to the dynamic program without bounds it replaced (tests/helpers/chain_oracle.py),
     both exact: the least recompute must agree."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     import chain_oracle
 
     rows = []

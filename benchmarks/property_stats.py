@@ -1,4 +1,4 @@
-"""Count the rows of long property-test logs (``tests/test_properties.py`` with
+"""Count the rows of long property-test logs (``tests/e2e/test_properties.py`` with
 ``$REMAT_PROPERTY_LOG``): how many distinct stacks and schedule runs, how many predicted
 the measured peak to the byte, how far off the others were, wrong gradients, optimized
 plans over their budget, refusals and errors.
