@@ -1,5 +1,7 @@
 """remat-pass: activation recomputation as a compiler pass over traced training graphs."""
 
+import importlib.metadata
+
 from .compile.backend import backend
 from .errors import (
     GradientMismatch,
@@ -22,7 +24,10 @@ from .evaluate.session import Session, sweep
 from .liveness.symbolic import SymbolicModel, trace_symbolic
 from .graph.trace import JointGraph, trace_joint
 
+__version__ = importlib.metadata.version("remat-pass")  # the installed distribution's (pyproject.toml)
+
 __all__ = [
+    "__version__",
     "GradientMismatch",
     "InfeasibleBudget",
     "InvalidOption",

@@ -57,24 +57,30 @@ def parse_bytes(text: str | int) -> int:
 
 
 def parse_fraction(text: str | float) -> float:
-    """``5%`` or ``0.05`` as 0.05.
+    """``5%`` or ``0.05`` as 0.05: a percentage carries ``%``; a bare number is a fraction
+    and must be below 1 (``5`` is refused: it would be +500 %, where ``5%`` was meant).
 
     Raises:
-        ValueError: not a non-negative finite number, with or without ``%``.
+        ValueError: not a non-negative finite number, with or without ``%``; or a bare
+            number of 1 or more.
 
     Example:
         >>> parse_fraction("5%"), parse_fraction(0.25)
         (0.05, 0.25)
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
+        value, percent = float(text), False
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%?)\s*", str(text))
         if not m:
             raise ValueError(f"fraction {text!r} is not a number: use e.g. 5% or 0.05")
         value = float(m.group(1)) / (100 if m.group(2) else 1)
+        percent = bool(m.group(2))
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"fraction {text!r} is negative or not finite; use e.g. 5% or 0.05")
+    if not percent and value >= 1:
+        raise ValueError(f"fraction {text!r} is ambiguous: write a percentage with % ({text}% = "
+                         f"{value / 100:g}) or a fraction below 1 (0.05 = 5%)")
     return value
 
 

@@ -21,9 +21,9 @@ RANKS = [
     "plan", "evaluate", "report", "parallel", "compile", "cli", "api",
 ]
 BASE = {"remat_pass.errors", "remat_pass.formatting"}
-API = {"remat_pass", "remat_pass.pytest_plugin"}
+API = {"remat_pass", "remat_pass.__main__", "remat_pass.pytest_plugin"}
 # at most a handful of modules directly in remat_pass/ (issue 18)
-TOP_LEVEL = {"__init__.py", "errors.py", "formatting.py", "pytest_plugin.py"}
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "formatting.py", "pytest_plugin.py"}
 
 
 def _module_name(path: Path) -> str:

@@ -23,6 +23,8 @@ from ..memory.static_memory import OPTIMIZERS
 from ..evaluate.session import Session
 from ..evaluate.workload import DEFAULT_MODEL, TARGETS, Workload, WorkloadOptions, load_workload
 
+DEFAULT_GPU = WorkloadOptions.gpu  # the GPU --target cuda predicts for without --gpu
+
 EXIT_USAGE = 2  # bad input; EXIT_OK (0) and EXIT_FAILED (1: a gate or gradient check failed) are the gate's
 
 
@@ -67,7 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--target", choices=TARGETS, default="cpu",
                    help="device to predict for: cpu (measurable here) or cuda (kernels and allocator modelled; "
                    "predicted only on a machine without a GPU) (default: %(default)s)")
-    t.add_argument("--gpu", choices=tuple(GPUS), default="h100", help="the GPU of --target cuda (default: %(default)s)")
+    t.add_argument("--gpu", choices=tuple(GPUS), help=f"the GPU of --target cuda (default: {DEFAULT_GPU})")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
                    help="optimizer states counted as static memory (default: %(default)s)")
     t.add_argument("--master-weights", action="store_true",
@@ -94,7 +96,7 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         autocast=args.autocast, batch=args.batch, seq=args.seq, layers=args.layers,
         stack=tuple(args.stack) if args.stack else None, calibrate=not args.no_calibrate,
         calibration_cache=args.calibration_cache,
-        seed=args.seed, target=args.target, gpu=args.gpu, optimizer=args.optimizer,
+        seed=args.seed, target=args.target, gpu=args.gpu or DEFAULT_GPU, optimizer=args.optimizer,
         master_weights=args.master_weights, device_memory=args.device_memory,
         trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None))
 
@@ -161,8 +163,8 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = True) -> Non
     """Add ``--schedule none|uniform|block``, ``--recompute-num-layers K`` (old name
     ``--num-layers``, deprecated) and ``--all-schedules``."""
     g = p.add_argument_group("schedule")
-    g.add_argument("--schedule", choices=("none", "uniform", "block"), default="none",
-                   help="recompute method (Megatron-LM --recompute-method; default: %(default)s)")
+    g.add_argument("--schedule", choices=("none", "uniform", "block"),
+                   help="recompute method (Megatron-LM --recompute-method; default: none)")
     g.add_argument("--recompute-num-layers", type=int, metavar="K", dest="recompute_num_layers",
                    help="K for uniform, N for block (Megatron-LM --recompute-num-layers)")
     g.add_argument("--num-layers", type=int, metavar="K", dest="recompute_num_layers", action=_DeprecatedAlias,
@@ -185,12 +187,13 @@ def chosen_schedules(args: argparse.Namespace, w: Workload) -> list[schedules.Sc
     per_stack = w.layers_per_stack
     if getattr(args, "all_schedules", False):
         return schedules.megatron_schedules(per_stack)
-    if args.schedule != "none" and args.recompute_num_layers is None:
+    method = args.schedule or "none"
+    if method != "none" and args.recompute_num_layers is None:
         raise ValueError(f"--schedule {args.schedule} needs --recompute-num-layers K (the layer stack has "
                          f"L={w.num_layers})" if len(per_stack) == 1 else
                          f"--schedule {args.schedule} needs --recompute-num-layers K (applied to each of the "
                          f"layer stacks {w.session.stack.describe()})")
-    return [schedules.make(args.schedule, args.recompute_num_layers, per_stack)]
+    return [schedules.make(method, args.recompute_num_layers, per_stack)]
 
 
 def stacks_meta(w: Workload) -> dict:

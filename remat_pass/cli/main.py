@@ -34,6 +34,8 @@ failed, 2 bad input (the message on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
@@ -45,6 +47,7 @@ from .report import cmd_check, cmd_inspect, cmd_report
 from .sweep import add_policy_args, cmd_sweep
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: F401 - what main returns, also for its callers
 from .common import add_model_args, add_schedule_args, positive_int
+from .flags import check_flags
 from ..errors import RematError
 from ..formatting import parse_bytes
 from ..plan.op_planner import CostModel
@@ -53,10 +56,13 @@ from ..plan.op_planner import CostModel
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with every subcommand."""
     parser = argparse.ArgumentParser(
-        prog="remat-pass",
+        prog="remat-pass", allow_abbrev=False,
         description="Activation recomputation as a compiler pass: predicted and measured peak memory.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('remat-pass')}")
+    # no prefix matching: --lay is not --layers (a typo must not pick a flag)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     p = sub.add_parser("sweep", help="predicted vs measured peak for none, uniform K=1..L, block N=0..L")
     add_model_args(p)
     add_policy_args(p)
@@ -93,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_args(p)
     p.add_argument("--budget", metavar="SIZE", help="largest allowed predicted peak, e.g. 2GiB, 512MiB, 1.5GB")
     p.add_argument("--baseline", metavar="PATH", help="baseline report JSON (remat-pass report/check --json)")
-    p.add_argument("--max-regression", default="0%", metavar="FRACTION",
-                   help="allowed growth over the baseline peak, e.g. 5%% or 0.05 (default: %(default)s)")
+    p.add_argument("--max-regression", metavar="FRACTION",
+                   help="allowed growth over the --baseline peak: a percentage (5%%) or a fraction below 1 "
+                        "(0.05) (default: 0%%)")
     p.add_argument("--report", metavar="PATH", help="check this report JSON instead of tracing a model")
     p.add_argument("--json", metavar="PATH", help="write the current reports as JSON (to update a baseline)")
     p.add_argument("--markdown", metavar="PATH", help="write the verdict as Markdown (e.g. $GITHUB_STEP_SUMMARY)")
@@ -154,16 +161,23 @@ def check_paths_and_sizes(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None:
             try:
-                parse_bytes(value)
+                size = parse_bytes(value)
             except ValueError as e:
                 raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+            if size <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: a size must be more than 0 bytes")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat-pass`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # --model mymod:make finds mymod.py in the current folder, as `python -m` would (appended:
+    # a file here never shadows an installed package)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
+        check_flags(args)
         check_paths_and_sizes(args)
         return args.func(args)
     except (RematError, ValueError, ImportError, OSError) as e:

@@ -107,7 +107,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.json:
             write_report(args.json, reports_document(docs, report_meta(args, w)))
             print(f"wrote {args.json}", file=sys.stderr)
-    result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression)
+    result = gate(docs, budget=args.budget, baseline=args.baseline, max_regression=args.max_regression or "0%")
     print(result.text())
     if w is not None and any(f.check == "budget" and not f.ok for f in result.findings):
         print(_fitting_schedules(w, parse_bytes(args.budget), docs))

@@ -1,0 +1,94 @@
+"""Flags that contradict each other or that the command would ignore are refused before
+any model is built (exit 2, the flags named); the command line's conventions (--version,
+python -m remat_pass, no prefix matching, the current folder on the import path)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import remat_pass
+from remat_pass.cli import EXIT_USAGE, main
+from remat_pass.cli.flags import check_flags
+from remat_pass.cli.main import build_parser
+from remat_pass.formatting import parse_fraction
+
+REFUSED = [
+    (["inspect", "--schedule", "none", "--recompute-num-layers", "3"], "--schedule none recomputes nothing"),
+    (["inspect", "--recompute-num-layers", "3"], "--schedule none recomputes nothing"),
+    (["report", "--all-schedules", "--schedule", "uniform", "--recompute-num-layers", "2"], "--all-schedules"),
+    (["check", "--report", "r.json", "--model", "remat_pass.models:tiny_gpt"], "--report checks a report file"),
+    (["check", "--max-regression", "5%"], "give --baseline"),
+    (["sweep", "--measure"], "a sweep on one device always measures"),
+    (["sweep", "--task", "causal-lm"], "--task chooses the model class of a --config"),
+    (["inspect", "--graph", "g.remat.json", "--model", "remat_pass.models:tiny_gpt"], "--graph reads a dump"),
+    (["report", "--gpu", "h200"], "add --target cuda"),
+    (["report", "--json", "-"], "standard output is not supported"),
+    (["plan", "--budget", "0"], "more than 0 bytes"),
+    (["check", "--budget", "0GiB"], "more than 0 bytes"),
+]
+
+
+@pytest.mark.parametrize("argv,message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_contradictory_or_ignored_flags_exit_2(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+ACCEPTED = [
+    ["inspect", "--schedule", "uniform", "--recompute-num-layers", "3"],
+    ["report", "--all-schedules"],
+    ["check", "--report", "r.json", "--budget", "1GiB"],
+    ["check", "--baseline", "b.json", "--max-regression", "5%"],
+    ["sweep", "--measure", "--pp", "2", "--microbatches", "2"],
+    ["sweep", "--config", "c.json", "--task", "causal-lm"],
+    ["inspect", "--graph", "g.remat.json"],
+    ["report", "--target", "cuda", "--gpu", "h200"],
+]
+
+
+@pytest.mark.parametrize("argv", ACCEPTED, ids=[" ".join(a) for a in ACCEPTED])
+def test_the_combinations_that_apply_are_accepted(argv):
+    """Negative control: the same flags where they apply pass the check."""
+    check_flags(build_parser().parse_args(argv))
+
+
+def test_a_bare_fraction_of_one_or_more_is_refused():
+    """``--max-regression 5`` meant +500 %; now a percentage needs % and a bare number is
+    a fraction below 1."""
+    assert parse_fraction("5%") == 0.05 and parse_fraction("0.05") == 0.05 and parse_fraction("100%") == 1.0
+    for text in ("5", 5, "1", 1.0):
+        with pytest.raises(ValueError, match="ambiguous"):
+            parse_fraction(text)
+
+
+def test_no_prefix_matching(capsys):
+    """``--lay 3`` is not ``--layers 3``: a typo must not pick a flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", "--lay", "3"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --lay 3" in capsys.readouterr().err
+
+
+def test_version_everywhere():
+    assert remat_pass.__version__ == "0.1.0"  # pyproject.toml's version, read from the installed metadata
+    for cmd in ([sys.executable, "-m", "remat_pass", "--version"], [sys.executable, "-m", "remat_pass.cli", "--version"]):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == f"remat-pass {remat_pass.__version__}", out.stderr
+
+
+def test_a_factory_in_the_current_folder_is_found(tmp_path, monkeypatch, capsys):
+    """``--model mymod:make`` from the folder that holds ``mymod.py`` (the console script does
+    not put the current folder on the import path by itself)."""
+    (tmp_path / "mymod_flags_test.py").write_text(
+        "from remat_pass.models import linear_chain\n"
+        "def make(batch=4, layers=2):\n"
+        "    return linear_chain(batch=batch, width=8, layers=layers)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["inspect", "--model", "mymod_flags_test:make", "--section", "summary", "--no-calibrate"]) == 0
+    out = capsys.readouterr()
+    assert "traced Sequential" in out.err + out.out and "with L=2" in out.err + out.out
