@@ -21,7 +21,8 @@ the lines that allocate or run a kernel. Two things the code does not show:
   ``_scaled_dot_product_flash_attention_for_cpu`` when backward does not read it):
   live as long as the kernel's result tuple;
 - scratch a kernel allocates and frees inside itself: the flash-attention CPU kernels
-  (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``; ``sdpa_scratch_bytes``).
+  (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``;
+  ``graph.op_scratch.flash_attention_bytes``, the formula the op-scratch table uses).
 
 ``code_liveness`` turns a graph's forward and backward code into the
 ``step_flow.GraphLiveness`` the step composition reads.
@@ -36,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import sympy
 import torch
 
+from ..graph.op_scratch import flash_attention_bytes
 from ..liveness.intervals import Storage
 from ..liveness.step_flow import GraphLiveness
 
@@ -87,25 +89,6 @@ def _split_top(text: str) -> list[str]:
     if cur.strip():
         items.append(cur.strip())
     return items
-
-
-def sdpa_scratch_bytes(batch_heads: Any, q_len: Any, kv_len: Any, head_dim: Any, element_bytes: int,
-                       backward: bool, threads: int) -> Any:
-    """Scratch bytes of ATen's flash-attention CPU kernel
-    (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``): per thread, a block of
-    ``qSplitSize x kvSplitSize`` scores (forward: plus max, sum and an output block; a
-    copy in the input dtype for bf16 / fp16, ``buf_reduced``); backward: two score
-    blocks (and their reduced copies) plus one row of ``qSplitSize`` floats.
-    ``qSplitSize`` is 256 / 64 / 32 for ``q_len >= 768 / >= 192 / else`` (at most
-    ``q_len``), ``kvSplitSize`` is ``min(512, kv_len)``."""
-    del batch_heads
-    q = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
-    q = min(q, q_len)
-    kv = min(512, kv_len)
-    reduced = element_bytes < 4
-    if backward:
-        return threads * 2 * q * kv * 4 + q * 4 + (threads * 2 * q * kv * element_bytes if reduced else 0)
-    return threads * (q * kv + 2 * q + q * head_dim) * 4 + (threads * q * kv * element_bytes if reduced else 0)
 
 
 @dataclasses.dataclass
@@ -240,11 +223,11 @@ class _Run:
             return 0, 0
         b, h, length, e = four[0]
         if kernel.endswith(_SDPA_BACKWARD):
-            return 0, sdpa_scratch_bytes(b * h, length, length, e, element_bytes, True, self.threads)
+            return 0, flash_attention_bytes(length, length, e, element_bytes, self.threads, backward=True)
         if kernel.endswith(_SDPA_FORWARD):
             lse_bound = any(len(s) == 3 for s in shapes)
             hidden = 0 if lse_bound else b * h * length * 4
-            return hidden, sdpa_scratch_bytes(b * h, length, length, e, element_bytes, False, self.threads)
+            return hidden, flash_attention_bytes(length, length, e, element_bytes, self.threads, backward=False)
         return 0, 0
 
     def line(self, line: str) -> None:

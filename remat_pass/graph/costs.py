@@ -21,6 +21,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from .op_scratch import dropout_backward_bytes, dropout_bytes, wrapped_scalar_bytes
+
 RNG_STATE_BYTES = {"cpu": int(torch.get_rng_state().numel())}
 
 
@@ -67,11 +69,6 @@ def is_mutating(node: fx.Node) -> bool:
     )
 
 
-def _numel_bytes(val: Any) -> Any:
-    # no int(): under symbolic shapes this stays a SymInt (int() would specialise it)
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def _leaf(val: Any) -> Any:
     """The first tensor of a possibly nested tuple value."""
     while isinstance(val, (tuple, list)) and val:
@@ -79,17 +76,26 @@ def _leaf(val: Any) -> Any:
     return val
 
 
-def _inner_transient(target: Any, args: tuple, out: Any) -> int:
-    """Scratch bytes of the CPU kernels of ``target`` (see transient_bytes)."""
+def replay_state_bytes(wrapper: str | None, device: str) -> int:
+    """Scratch of an RNG-replay wrapper on ``device``: ``run_with_rng_state`` reads the
+    current generator state (a copy of ``torch.get_rng_state()``, ``RNG_STATE_BYTES``)
+    to restore it after the op (``torch/_prims/rng_prims.py``); on CPU only (0 for any
+    other wrapper or device: the CUDA philox state is not modelled)."""
+    return RNG_STATE_BYTES["cpu"] if wrapper == "run_with_rng_state" and device == "cpu" else 0
+
+
+def _inner_transient(target: Any, args: tuple, out: Any) -> Any:
+    """Scratch bytes of the CPU kernel of ``target`` (see transient_bytes), by the
+    formulas of ``op_scratch`` on FakeTensor sizes (no int(): under symbolic shapes a
+    size stays a SymInt, which int() would specialise)."""
     aten = torch.ops.aten
     if target is aten.native_dropout.default:
-        # native_dropout_cpu: mask = empty_like(input).bernoulli_(1-p) in the input's
-        # dtype, output = input * mask * scale, then the mask is converted to bool
         x = args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
-        return _numel_bytes(x)
+        if not isinstance(x, torch.Tensor):
+            return 0
+        return dropout_bytes(x.numel(), x.element_size(), args[2] if len(args) > 2 else True)
     if target is aten.native_dropout_backward.default:
-        # grad_output * mask (a temporary), then * scale (a wrapped Python scalar)
-        return _numel_bytes(out) + _wrapped_scalar_bytes(out)
+        return dropout_backward_bytes(out.numel(), out.element_size())
     packet = getattr(target, "overloadpacket", None)
     name = getattr(packet, "__name__", "")
     if name == "mean" or (
@@ -98,21 +104,12 @@ def _inner_transient(target: Any, args: tuple, out: Any) -> int:
         and isinstance(args[1], (int, float))
         and not isinstance(args[1], bool)
     ):
-        return _wrapped_scalar_bytes(out)
+        return wrapped_scalar_bytes(out.element_size())
     return 0
 
 
 # TensorIterator binary ops: a Python number as ``other`` is wrapped in a 0-dim tensor
 _BINARY_WITH_SCALAR = frozenset({"mul", "div", "add", "sub", "rsub"})
-
-
-def _wrapped_scalar_bytes(out: Any) -> int:
-    """A Python number operand becomes a 0-dim 8-byte tensor (double / int64), cast to
-    the result's dtype when that is not 8 bytes wide (ATen ``wrapped_scalar_tensor``)."""
-    if not isinstance(out, torch.Tensor):
-        return 0
-    size = out.element_size()
-    return 8 + (size if size != 8 else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,16 +199,23 @@ def held_scratch_bytes(node: fx.Node, device: str = "cpu") -> Any:
     return _rule_bytes(node, rule.held_scratch) if rule is not None else 0
 
 
-def transient_bytes(node: fx.Node) -> int:
-    """Bytes an op allocates and frees inside itself on CPU (0 where none is known).
+def transient_bytes(node: fx.Node) -> Any:
+    """Bytes an op allocates and frees inside itself on CPU, read off the node's
+    FakeTensors (0 where none is known): the op scratch of the symbolic model and of a
+    node whose signature cannot be read (``memory_model.MemoryModel.node_memory``).
 
-    Modelled from the ATen CPU kernels, as measured with the profiler's allocator
-    events: dropout (``aten/src/ATen/native/Dropout.cpp``), binary ops and ``mean``
-    with a Python-number operand (the number is wrapped in a 0-dim tensor, then cast),
-    and ``torch._prims.rng_prims.run_with_rng_state``, which reads the current RNG state
-    (a copy of ``torch.get_rng_state()``) to restore it afterwards; a gloo collective's
-    in-call scratch (``COLLECTIVE_RULES``). Other ops' scratch
-    space (e.g. bfloat16 matmul buffers) is not modelled; on CUDA 0 is returned.
+    The formulas whose sizes are polynomial, from ``op_scratch`` (the ones the table
+    ``memory.scratch_table`` uses too): dropout and its backward
+    (``aten/src/ATen/native/Dropout.cpp``), binary ops and ``mean`` with a Python-number
+    operand (the number is wrapped in a 0-dim tensor, then cast); the RNG-replay
+    wrapper's state copy (``replay_state_bytes``); a gloo collective's in-call scratch
+    (``COLLECTIVE_RULES``). Not modelled here (the table has them, for concrete
+    signatures): what depends on comparisons of sizes or on the thread count
+    (flash-attention blocks, two-pass reductions, per-thread buffers) and reduced-float
+    upcasts; on CUDA 0 is returned.
+
+    Returns:
+        Bytes: an int, or a SymInt under symbolic shapes.
     """
     if node.op != "call_function":
         return 0
@@ -226,7 +230,7 @@ def transient_bytes(node: fx.Node) -> int:
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
         return 0
     if name == "run_with_rng_state":
-        return RNG_STATE_BYTES["cpu"] + _inner_transient(node.args[1], node.args[2:], out)
+        return replay_state_bytes(name, "cpu") + _inner_transient(node.args[1], node.args[2:], out)
     if name == "run_and_save_rng_state":
         return _inner_transient(node.args[0], node.args[1:], out)
     return _inner_transient(node.target, node.args, out)

@@ -23,7 +23,7 @@ from ..graph.costs import (
     tensor_val,
     wait_of,
 )
-from ..memory.memory_model import ALLOCATORS, CUDA_BLOCK_BYTES, MemoryModel, NodeMemory
+from ..memory.memory_model import ALLOCATORS, MemoryModel, NodeMemory
 from ..graph.op_signature import output_values
 from ..recompute.rewrite import RewrittenStep
 
@@ -67,13 +67,15 @@ def storage_bytes(val: torch.Tensor, allocator: str = "cpu") -> int:
     return MemoryModel(device=allocator, allocator=allocator).storage_bytes(val)
 
 
-def collective_scratch_bytes(node: fx.Node, allocator: str = "cpu") -> Any:
-    """Bytes a collective's backend holds from its call to its wait under ``allocator``
-    (gloo on CPU, nccl on CUDA; ``costs.held_scratch_bytes``), rounded like a block."""
-    nbytes = held_scratch_bytes(node, allocator)
-    if allocator == "cuda" and isinstance(nbytes, int) and nbytes > 0:
-        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-    return nbytes
+def collective_scratch_bytes(node: fx.Node, memory: MemoryModel) -> int:
+    """Bytes a collective's backend holds from its call to its wait under ``memory``'s
+    allocator (gloo on CPU, nccl on CUDA; ``costs.held_scratch_bytes``), as the
+    allocator gives them (``MemoryModel.allocator_bytes``: one block on CUDA).
+
+    Raises:
+        ValueError: a symbolic (non-integer) size; use the symbolic model.
+    """
+    return memory.allocator_bytes(held_scratch_bytes(node, memory.allocator))
 
 
 @dataclasses.dataclass
@@ -189,8 +191,8 @@ def memory_intervals(step: RewrittenStep, memory: MemoryModel,
         m = by_node.get(node)
         return 0 if m is None else m.scratch_bytes
 
-    def held_scratch_of(node: fx.Node) -> Any:
-        return collective_scratch_bytes(node, memory.allocator)
+    def held_scratch_of(node: fx.Node) -> int:
+        return collective_scratch_bytes(node, memory)
 
     return live_intervals(step, size_of, scratch_of, held_scratch_of, hold_outputs), per_step
 

@@ -20,7 +20,7 @@ allocator events, in time order, give a running sum from 0:
 
 Since the executor frees values only between nodes, a step then peaks at (live before)
 + (real outputs) + (transient), whatever order the op allocates in: the liveness model
-with these figures is the measured one, byte for byte (``tests/test_memory_model.py``
+with these figures is the measured one, byte for byte (``tests/memory/test_memory_model.py``
 checks it at every step).
 
 All new signatures of a batch share one profiler session (~1-3 ms per tiny signature,

@@ -362,6 +362,8 @@ class CudaKernels(TorchFunctionMode):
 
 def block_bytes(nbytes: int) -> int:
     """``round_size``: the request rounded up to a multiple of 512 bytes (0 stays 0).
+    The one CUDA rounding: ``MemoryModel.allocator_bytes`` (every storage and held
+    scratch liveness counts) and ``static_memory`` call it.
 
     Example:
         >>> block_bytes(1), block_bytes(512), block_bytes(513)
@@ -422,40 +424,26 @@ def cublas_workspace_bytes(gpu: GpuSpec = GpuSpec(), env: Mapping[str, str] | No
 
 @dataclasses.dataclass(frozen=True)
 class CudaAllocatorModel:
-    """How the CUDA caching allocator charges a training step; the interface the
-    liveness analysis and the static-memory accounting use for the CUDA target.
-
-    ``block_bytes(n)`` is what one storage of ``n`` bytes is counted as (today the same
-    512-byte rounding ``intervals.storage_bytes(val, "cuda")`` applies);
-    ``workspace_bytes()`` the fixed per-process workspaces (static memory);
-    ``scratch_bytes(node)`` memory an op allocates and frees inside itself on CUDA, 0
-    until a calibrated table exists (the hook for an op-scratch model).
+    """The fixed per-process workspaces of the CUDA target, for the static-memory
+    accounting (``static_memory.StaticOptions.cuda``). Storages are counted by
+    ``block_bytes`` (through ``memory_model.MemoryModel.allocator_bytes`` and
+    ``static_memory``); op scratch on CUDA is not modelled (the memory model's table has
+    CPU entries only).
 
     Attributes:
         gpu: the target.
         workspace_handles: cuBLAS workspaces held during training (the forward thread's
             and the autograd engine's device thread's).
-        expandable_segments: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, under
-            which ``block_bytes`` is exact for every request.
     """
 
     gpu: GpuSpec = GpuSpec()
     workspace_handles: int = 2
-    expandable_segments: bool = False
-
-    def block_bytes(self, nbytes: int) -> int:
-        """Bytes one request is counted as (``block_bytes``)."""
-        return block_bytes(nbytes)
-
-    def block_bytes_bound(self, nbytes: int) -> int:
-        """The most one request can be charged (``large_block_bytes_bound``, or
-        ``block_bytes`` with expandable segments)."""
-        return block_bytes(nbytes) if self.expandable_segments else large_block_bytes_bound(nbytes)
 
     def workspace_bytes(self, env: Mapping[str, str] | None = None) -> int:
-        """Static workspace bytes: ``workspace_handles`` cuBLAS workspaces."""
-        return self.workspace_handles * cublas_workspace_bytes(self.gpu, env)
+        """Static workspace bytes: ``workspace_handles`` cuBLAS workspaces
+        (``cublas_workspace_bytes``).
 
-    def scratch_bytes(self, node: Any) -> int:
-        """Op scratch on CUDA: not modelled yet (0)."""
-        return 0
+        Raises:
+            ValueError: a malformed ``CUBLAS_WORKSPACE_CONFIG``.
+        """
+        return self.workspace_handles * cublas_workspace_bytes(self.gpu, env)

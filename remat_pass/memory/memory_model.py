@@ -19,9 +19,10 @@ report can name the ops whose figure was not calibrated.
 
 The device and allocator part is deliberately small: ``device`` picks the kernels whose
 scratch is modelled (only CPU has table entries), ``allocator`` the rounding
-(``allocator_bytes``); new allocator rules belong in ``allocator_bytes``. The RNG-replay
-wrapper ``run_with_rng_state`` adds its copy of the CPU generator state
-(``costs.RNG_STATE_BYTES``) to the scratch of the op it wraps.
+(``allocator_bytes``, which rounds by ``cuda_target.block_bytes``, the one CUDA
+rounding); new allocator rules belong in ``allocator_bytes``. The RNG-replay wrapper
+``run_with_rng_state`` adds its copy of the CPU generator state
+(``costs.replay_state_bytes``) to the scratch of the op it wraps.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from ..graph.costs import RNG_STATE_BYTES, storage_nbytes, transient_bytes
+from ..graph.costs import replay_state_bytes, storage_nbytes, transient_bytes
 from ..graph.op_signature import cpu_flags, host_identity, op_call, output_values, signature_of
+from .cuda_target import block_bytes
 from .scratch_table import table_entry
 
 ALLOCATORS = ("cpu", "cuda")
-CUDA_BLOCK_BYTES = 512
 SOURCES = ("calibrated", "table", "none")
 """Where a node's scratch figure came from: calibration on this machine, the formula
 table, or nowhere (0 bytes assumed)."""
@@ -172,7 +173,8 @@ class MemoryModel:
 
     def allocator_bytes(self, nbytes: Any) -> int:
         """Bytes the allocator gives a request of ``nbytes``: exact on CPU, rounded up
-        to a multiple of 512 on CUDA (the caching allocator's ``kMinBlockSize``).
+        to a multiple of 512 on CUDA (``cuda_target.block_bytes``: the caching
+        allocator's ``round_size``, ``kMinBlockSize``).
 
         Raises:
             ValueError: a symbolic (non-integer) size; use the symbolic model.
@@ -185,9 +187,7 @@ class MemoryModel:
                     f"storage size {nbytes} is symbolic; concrete liveness needs concrete "
                     "shapes (use the symbolic model)"
                 ) from e
-        if self.allocator == "cuda" and nbytes > 0:
-            return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-        return nbytes
+        return block_bytes(nbytes) if self.allocator == "cuda" else nbytes
 
     def storage_bytes(self, val: torch.Tensor) -> int:
         """Allocator bytes of the FakeTensor storage of ``val`` (no output correction:
@@ -205,7 +205,7 @@ class MemoryModel:
             name = getattr(node.target, "__name__", str(node.target))
             return NodeMemory(node.name, name, transient_bytes(node), "none", "not an aten op: not calibrated")
         op = str(call.op)
-        wrapper = RNG_STATE_BYTES["cpu"] if call.wrapper == "run_with_rng_state" and self.device == "cpu" else 0
+        wrapper = replay_state_bytes(call.wrapper, self.device)
         sig = signature_of(node, self.threads)
         if sig is None:
             return NodeMemory(node.name, op, transient_bytes(node), "none", "symbolic or unreadable arguments")

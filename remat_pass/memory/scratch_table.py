@@ -5,6 +5,9 @@ has no calibrated figure. Each formula is read from the ATen CPU source of torch
 (the file and function are named in its docstring) and was checked byte for byte
 against calibration (the op run alone under the allocator profiler) on the signatures
 of the prototype's probe matrix and models, at 1 and 2 threads, on an AVX2 CPU.
+The formulas that other paths read too (wrapped scalars, dropout, flash attention:
+the symbolic model's ``costs.transient_bytes``, Inductor's ``compile.inductor_memory``)
+are written once, on sizes, in ``graph.op_scratch``; this table maps a signature to them.
 
 Two quantities per op call (``TableEntry``):
 
@@ -30,6 +33,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..graph.op_scratch import (
+    dropout_backward_bytes,
+    dropout_bytes,
+    flash_attention_bytes,
+    wrapped_scalar_bytes,
+)
 from ..graph.op_signature import OpSignature, TensorSpec
 
 GRAIN_SIZE = 32768
@@ -83,13 +92,6 @@ def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def wrapped_scalar_bytes(result_dtype: torch.dtype) -> int:
-    """A Python number operand becomes a 0-dim double / int64 tensor (8 B), cast to the
-    result dtype when that is not 8 bytes wide (ATen ``wrapped_scalar_tensor`` and
-    TensorIterator's ``compute_types``)."""
-    return 8 + (result_dtype.itemsize if result_dtype.itemsize != 8 else 0)
-
-
 def two_pass_bytes(numel_in: int, numel_out: int, threads: int, out_element_size: int) -> int:
     """``TensorIteratorBase::parallel_reduce`` (``TensorIteratorReduce.cpp``): a full
     reduction (one output element) of >= GRAIN_SIZE elements on more than one thread
@@ -111,25 +113,12 @@ def _reduced_numel(x: TensorSpec, dims: Any) -> int:
     return n
 
 
-def _sdpa_blocks(q: TensorSpec, k: TensorSpec) -> tuple[int, int, int]:
-    """``(qSplitSize, kvSplitSize, head dim)`` of ``flash_attention_kernel_impl``:
-    query blocks of 256 / 64 / 32 rows by query length (>= 768 / >= 192 / less), key
-    blocks of 512, each at most the length."""
-    q_len, kv_len, head_dim = q.shape[2], k.shape[2], q.shape[3]
-    split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
-    return min(split, q_len), min(512, kv_len), head_dim
-
-
 @_formula("_scaled_dot_product_flash_attention_for_cpu.default")
 def _sdpa_forward(sig: OpSignature, flags: frozenset) -> TableEntry:
-    """``native/cpu/FlashAttentionKernel.cpp`` ``cpu_flash_attention``: ``buf`` of
-    ``T x (qS*kvS + 2*qS + qS*E)`` in acc type, and for bf16 / fp16 ``buf_reduced`` of
-    ``T x qS x kvS`` in the input dtype."""
+    """``native/cpu/FlashAttentionKernel.cpp`` ``cpu_flash_attention``: ``buf`` and, for
+    bf16 / fp16, ``buf_reduced`` (``op_scratch.flash_attention_bytes``)."""
     q, k = sig.args[0], sig.args[1]
-    qs, kvs, e = _sdpa_blocks(q, k)
-    t = sig.threads * (qs * kvs + 2 * qs + qs * e) * _acc(q.dtype)
-    if _reduced_float(q.dtype):
-        t += sig.threads * qs * kvs * q.element_size
+    t = flash_attention_bytes(q.shape[2], k.shape[2], q.shape[3], q.element_size, sig.threads, backward=False)
     return TableEntry(t, None, "cpu/FlashAttentionKernel.cpp cpu_flash_attention: buf, buf_reduced")
 
 
@@ -137,18 +126,14 @@ def _sdpa_forward(sig: OpSignature, flags: frozenset) -> TableEntry:
 def _sdpa_backward(sig: OpSignature, flags: frozenset) -> TableEntry:
     """``FlashAttentionKernel.cpp`` ``flash_attention_backward_kernel_impl``:
     ``grad_out.contiguous()`` of the (B, T, H, D) view ``attention.cpp`` passes (a copy
-    unless that view is contiguous); ``cpu_flash_attention_backward``: ``buf`` of
-    ``T x 2 x qS x kvS`` acc, bf16 / fp16 ``buf_reduced`` of the same count in the input
-    dtype, and one ``dsum`` of ``qS`` acc per thread, allocated inside the parallel
-    region: the allocator profiler sees the calling thread's only."""
+    unless that view is contiguous); ``cpu_flash_attention_backward``: ``buf``, bf16 /
+    fp16 ``buf_reduced`` and ``dsum`` (``op_scratch.flash_attention_bytes``)."""
     g, q, k = sig.args[0], sig.args[1], sig.args[2]
-    qs, kvs, _ = _sdpa_blocks(q, k)
     shape = (g.shape[0], g.shape[2], g.shape[1], g.shape[3])
     stride = (g.stride[0], g.stride[2], g.stride[1], g.stride[3])
     copy = 0 if _contiguous(shape, stride) else g.numel * g.element_size
-    buf = sig.threads * 2 * qs * kvs * _acc(q.dtype)
-    reduced = sig.threads * 2 * qs * kvs * q.element_size if _reduced_float(q.dtype) else 0
-    return TableEntry(copy + buf + reduced + qs * _acc(q.dtype), None,
+    buffers = flash_attention_bytes(q.shape[2], k.shape[2], q.shape[3], q.element_size, sig.threads, backward=True)
+    return TableEntry(copy + buffers, None,
                       "cpu/FlashAttentionKernel.cpp flash_attention_backward_kernel_impl: "
                       "grad_out.contiguous(), buf, buf_reduced, dsum")
 
@@ -182,9 +167,9 @@ def _mse_loss(sig: OpSignature, flags: frozenset) -> TableEntry:
     if reduction == 2:
         t = n * es + two_pass_bytes(n, 1, sig.threads, es)
     elif _reduced_float(x.dtype):
-        t = n * es + 4 + max(4 * n + two_pass_bytes(n, 1, sig.threads, 4), wrapped_scalar_bytes(torch.float32))
+        t = n * es + 4 + max(4 * n + two_pass_bytes(n, 1, sig.threads, 4), wrapped_scalar_bytes(4))
     else:
-        t = n * es + max(two_pass_bytes(n, 1, sig.threads, es), wrapped_scalar_bytes(x.dtype))
+        t = n * es + max(two_pass_bytes(n, 1, sig.threads, es), wrapped_scalar_bytes(x.element_size))
     return TableEntry(t, (n * es,), "Loss.cpp mse_loss: resize_({}) keeps N elements; loss temporary, "
                                     "mean_out / sum_out")
 
@@ -206,9 +191,9 @@ def _mean(sig: OpSignature, flags: frozenset) -> TableEntry:
     n_in, n_out = x.numel, _reduced_numel(x, dims)
     if _reduced_float(x.dtype):
         t = 4 * n_out + max(4 * n_in + two_pass_bytes(n_in, n_out, sig.threads, 4),
-                            wrapped_scalar_bytes(torch.float32))
+                            wrapped_scalar_bytes(4))
     else:
-        t = max(two_pass_bytes(n_in, n_out, sig.threads, x.element_size), wrapped_scalar_bytes(x.dtype))
+        t = max(two_pass_bytes(n_in, n_out, sig.threads, x.element_size), wrapped_scalar_bytes(x.element_size))
     return TableEntry(t, None, "ReduceOps.cpp mean_out: sum_out(...).div_(n)")
 
 
@@ -252,19 +237,19 @@ def _gelu_backward(sig: OpSignature, flags: frozenset) -> TableEntry:
 
 @_formula("native_dropout.default")
 def _dropout(sig: OpSignature, flags: frozenset) -> TableEntry:
-    """``native/Dropout.cpp`` ``native_dropout_cpu``: ``mask = empty_like(input)
-    .bernoulli_(1 - p)`` in the input's dtype, converted to bool at the end."""
-    x, train = sig.args[0], sig.arg(2, "train", True)
-    return TableEntry(x.numel * x.element_size if train is not False else 0, None,
+    """``native/Dropout.cpp`` ``native_dropout_cpu``: the float mask
+    (``op_scratch.dropout_bytes``)."""
+    x = sig.args[0]
+    return TableEntry(dropout_bytes(x.numel, x.element_size, sig.arg(2, "train", True)), None,
                       "Dropout.cpp native_dropout_cpu: float mask")
 
 
 @_formula("native_dropout_backward.default")
 def _dropout_backward(sig: OpSignature, flags: frozenset) -> TableEntry:
-    """``native/Dropout.cpp`` ``native_dropout_backward``: ``grad * mask`` (a
-    temporary), then ``* scale`` (a wrapped Python scalar)."""
+    """``native/Dropout.cpp`` ``native_dropout_backward``: ``grad * mask``, then
+    ``* scale`` (``op_scratch.dropout_backward_bytes``)."""
     g = sig.args[0]
-    return TableEntry(g.numel * g.element_size + wrapped_scalar_bytes(g.dtype), None,
+    return TableEntry(dropout_backward_bytes(g.numel, g.element_size), None,
                       "Dropout.cpp native_dropout_backward: grad * mask, * scale")
 
 
@@ -348,7 +333,7 @@ def _promotion_bytes(sig: OpSignature) -> int | None:
         if isinstance(a, TensorSpec):
             total += a.numel * common.itemsize if a.dtype != common else 0
         else:
-            total += wrapped_scalar_bytes(common)
+            total += wrapped_scalar_bytes(common.itemsize)
     return total
 
 
@@ -376,7 +361,7 @@ def table_entry(sig: OpSignature, op: torch._ops.OpOverload, flags: frozenset[st
     if name in _SCALAR_OVERLOADS:
         x = sig.args[0]
         result = torch.result_type(torch.empty((), dtype=x.dtype), sig.args[1]) if len(sig.args) > 1 else x.dtype
-        return TableEntry(wrapped_scalar_bytes(result), None, "wrapped_scalar_tensor: the Python number operand")
+        return TableEntry(wrapped_scalar_bytes(result.itemsize), None, "wrapped_scalar_tensor: the Python number operand")
     if name.split(".")[0] in _PROMOTING:
         t = _promotion_bytes(sig)
         if t is not None:

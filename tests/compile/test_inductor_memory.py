@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from remat_pass.compile.inductor_memory import run_code, sdpa_scratch_bytes
+from remat_pass.compile.inductor_memory import run_code
+from remat_pass.graph.op_scratch import flash_attention_bytes
 from remat_pass.liveness.timeline import live_timeline
 
 CODE = '''
@@ -54,11 +55,14 @@ def test_wrapper_code_by_hand():
 
 
 def test_sdpa_scratch_formula():
-    """Flash-attention CPU scratch: per thread a qSplit x kvSplit score block plus max,
-    sum and an output block (forward), two score blocks and a row (backward)."""
-    assert sdpa_scratch_bytes(8, 128, 128, 32, 4, False, 1) == (32 * 128 + 2 * 32 + 32 * 32) * 4
-    assert sdpa_scratch_bytes(8, 128, 128, 32, 4, True, 2) == 2 * 2 * 32 * 128 * 4 + 32 * 4
-    assert sdpa_scratch_bytes(8, 1024, 1024, 64, 2, False, 1) == (256 * 512 + 2 * 256 + 256 * 64) * 4 + 256 * 512 * 2
+    """Flash-attention CPU scratch (``op_scratch.flash_attention_bytes``, what the
+    fallback kernels of Inductor's code are charged): per thread a qSplit x kvSplit score
+    block plus max, sum and an output block (forward), two score blocks and a row
+    (backward)."""
+    assert flash_attention_bytes(128, 128, 32, 4, 1, backward=False) == (32 * 128 + 2 * 32 + 32 * 32) * 4
+    assert flash_attention_bytes(128, 128, 32, 4, 2, backward=True) == 2 * 2 * 32 * 128 * 4 + 32 * 4
+    assert flash_attention_bytes(1024, 1024, 64, 2, 1, backward=False) == (
+        (256 * 512 + 2 * 256 + 256 * 64) * 4 + 256 * 512 * 2)
 
 
 def test_not_wrapper_code_is_refused():

@@ -21,11 +21,12 @@ from remat_pass.memory.calibration import CalibrationOptions, Calibrator
 from remat_pass.cli.main import main
 from remat_pass.report.gate import gate
 from remat_pass.liveness.timeline import analyze
-from remat_pass.measure.run import measured_step_timeline
+from remat_pass.measure.run import measured_step_timeline, profile_memory_events
 from remat_pass.memory.memory_model import MemoryModel
 from remat_pass.graph.op_signature import cpu_flags, op_call, signature_of
 from remat_pass.report.schedule_report import markdown_from_json, read_reports, report_json, write_report
 from remat_pass.memory.scratch_table import table_entry
+from remat_pass.graph.op_scratch import flash_attention_bytes
 from remat_pass.evaluate.session import Session
 from zoo import ZOO
 
@@ -119,6 +120,47 @@ def test_table_matches_calibration_on_native_kernels(scratch_session):
             assert entry.output_storage_bytes == measured.output_storage_bytes, (n.name, sig.op)
         checked += 1
     assert checked >= 10
+
+
+def _measured_transient(fn) -> int:
+    """Peak of the allocator's running sum during ``fn`` minus what is left at its end
+    (``fn``'s result kept alive), after two warm-up calls."""
+    fn(), fn()
+    kept = []
+    events = profile_memory_events(lambda: kept.append(fn()))
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return peak - running
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flash_attention_formula_is_measured(dtype, threads):
+    """The one flash-attention formula (``op_scratch.flash_attention_bytes``: the table's
+    and Inductor's) is the measured scratch of both CPU kernels, float32 and float64
+    (whose accumulators are double: twice the float32 bytes), at 1 and 2 threads; query
+    length 200 takes the 64-row query blocks. The gradient's (B, T, H, D) view is
+    contiguous, so the backward makes no ``grad_out.contiguous()`` copy."""
+    aten = torch.ops.aten
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        b, h, length, d = 2, 2, 200, 16
+        q, k, v = (torch.randn(b, h, length, d, dtype=dtype) for _ in range(3))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        grad = torch.randn(b, length, h, d, dtype=dtype).transpose(1, 2)
+        forward = _measured_transient(lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True))
+        backward = _measured_transient(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True))
+    finally:
+        torch.set_num_threads(old)
+    es = q.element_size()
+    assert forward == flash_attention_bytes(length, length, d, es, threads, backward=False)
+    assert backward == flash_attention_bytes(length, length, d, es, threads, backward=True)
+    assert forward == threads * (64 * 200 + 2 * 64 + 64 * 16) * max(4, es)
 
 
 def test_signature_keys_on_strides_and_threads():
