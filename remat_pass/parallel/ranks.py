@@ -33,16 +33,13 @@ import torch.nn as nn
 from ..recompute import schedule as schedules
 from ..graph.costs import node_flops
 from ..errors import InvalidOption, LayerStackNotFound
-from .pipeline import (
+from .pipeline import RankPeak, StageProfile, compose, stage_profile
+from .pipeline_schedule import (
     PIPELINE_SCHEDULES,
     Action,
-    RankPeak,
-    StageProfile,
-    compose,
     rank_actions,
     send_releases,
     stage_layers,
-    stage_profile,
     validate_schedule,
 )
 from ..graph.regions import LayerStack, assign_layers, find_layer_stack
