@@ -212,9 +212,10 @@ def compose(profiles: dict[int, StageProfile], actions: Sequence[Action], releas
 
     Args:
         profiles: global stage index -> its StageProfile (every stage ``actions`` runs).
-        actions: the rank's actions (``rank_actions``).
-        releases: ``send_releases(...)[rank]``: the action at which each action's sent
-            tensor is waited and freed, after that action's receive; default k + 1.
+        actions: the rank's actions (``pipeline_schedule.rank_actions``).
+        releases: ``pipeline_schedule.send_releases(...)[rank]``: the action at which
+            each action's sent tensor is waited and freed, after that action's
+            receive; default k + 1.
         grad_accumulator: ``"in_step"`` or ``"static"`` (module docstring).
 
     Raises:
