@@ -2,8 +2,9 @@
 tensor live from one place in them to another.
 
 A training step that runs as several pieces (the graphs of a model split by
-``torch.compile`` graph breaks; the microbatches of a pipeline stage) is a sequence of
-*phases* (one graph's forward, another's backward, ...), each a sequence of steps. A
+``torch.compile`` graph breaks; the microbatches' forwards and backwards on a pipeline
+rank) is a sequence of *phases* (one graph's forward, another's backward, ...), each a
+sequence of steps. A
 tensor is live from a ``Place`` (phase, step) to a ``Place``, both inclusive, the
 interval rule of ``liveness``: during an op its inputs and outputs coexist. Given the
 phases in run order and the tensors, the composition lays the phases end to end and
@@ -11,16 +12,20 @@ runs the one sweep of ``liveness.live_timeline`` over them, so the step's live b
 its peak, the place of the peak and what is live there follow exactly as for one graph.
 
 The composition knows nothing of graphs or of why a tensor lives where it does; the
-caller decides that (``step_flow`` for graph breaks: forward outputs held by the
-frames between graphs, gradients passed back, zero tangents; a pipeline schedule for
-microbatches: activations held until their backward). It is a pure function of:
+caller decides that. It has two: ``step_flow`` for graph breaks (forward outputs held
+by the frames between graphs, gradients passed back, zero tangents), and
+``parallel.pipeline.rank_composition`` for pipeline microbatches (a phase per action of
+the rank; saved values held until their backward, receive buffers, sends until they are
+waited, the gradient accumulator). It is a pure function of:
 
 - ``phases``: ``Phase(graph, kind, steps)`` in run order (``steps`` names what runs at
   each step: node names, lines of generated code);
 - ``tensors``: ``SpanTensor(name, graph, kind, nbytes, start, end)``, where each
   per-graph liveness interval becomes one tensor (its first and last step mapped onto
   the graph's phases) and each tensor that crosses between phases carries the places
-  where it is made and where it dies.
+  where it is made and where it dies (a caller that has a phase's live bytes per step
+  rather than its intervals gives one tensor per step). ``ComposedStep.
+  live_bytes_by_kind`` splits a step's live bytes by the caller's kinds.
 
 Sizes may be ints (bytes) or any values with ``+`` and ``-`` (``solvers.poly.Poly`` for
 sizes symbolic in the shapes): ``compose_timeline`` then gives one value per step, of
@@ -155,6 +160,13 @@ class ComposedStep:
         return sorted((t for t in self.tensors if _global(self.offsets, t.start) <= index
                        <= _global(self.offsets, t.end) and t.nbytes),
                       key=lambda t: (-t.nbytes, t.graph, t.name))
+
+    def live_bytes_by_kind(self, index: int) -> dict[str, int]:
+        """Bytes of the tensors live at global step ``index``, summed by ``kind``."""
+        out: dict[str, int] = {}
+        for t in self.live_at(index):
+            out[t.kind] = out.get(t.kind, 0) + t.nbytes
+        return out
 
     def live_at_peak(self) -> list[SpanTensor]:
         """``live_at`` the peak."""

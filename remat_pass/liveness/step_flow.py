@@ -206,7 +206,7 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
             on; default: output 0 of the last call.
 
     Returns:
-        The StepFlow (``step_composition.compose_step`` turns it into the timeline).
+        The StepFlow (``composition.compose_step`` turns it into the timeline).
 
     Raises:
         ValueError: a call in ``backward_order`` twice or out of range.

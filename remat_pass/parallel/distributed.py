@@ -40,7 +40,7 @@ from ..measure.run import profiled_peak_cpu, run_graph
 from ..models.shipped import build
 from .ranks import ParallelConfig, StageGraph, microbatches, predict_rank, stage_inputs, stage_schedule, trace_rank
 from .ranks import validate
-from .pipeline import Action
+from .pipeline_schedule import Action
 from ..recompute.rewrite import RewrittenStep, rewrite
 
 SINGLE_PROCESS_RTOL = 1e-5  # relative to the largest |gradient| of the parameter

@@ -1,32 +1,38 @@
 """Pipeline parallelism: a stage's per-microbatch memory composed in its rank's action order.
 
-A pipeline stage (Huang et al. 2019, GPipe; Narayanan et al. 2021, 1F1B and interleaved
-1F1B in Megatron-LM) runs the forward ("F") and backward ("B") of every microbatch in
-an order its schedule fixes. Between F(j) and B(j) the stage holds microbatch j's saved
-activations; under 1F1B stage i of p holds up to p - i microbatches at once, under GPipe
-all m; only one microbatch's forward or backward working set exists at a time.
+A pipeline stage runs the forward ("F") and backward ("B") of every microbatch in the
+order its schedule fixes (``pipeline_schedule.rank_actions``: GPipe, 1F1B, interleaved
+1F1B). Between F(j) and B(j) the stage holds microbatch j's saved activations; under
+1F1B stage i of p holds up to p - i microbatches at once, under GPipe all m; only one
+microbatch's forward or backward working set exists at a time.
 
 ``StageProfile`` reads one microbatch's memory off the stage's rewritten step
-(``intervals.live_intervals`` / ``live_timeline``, the one sweep); ``compose`` replays a
-rank's actions and adds what the other microbatches hold. The runtime model is the
-executor of ``distributed_run.pipeline_step`` (a Megatron-style loop over gloo/nccl
-point-to-point, measured to the byte on CPU):
+(``intervals.memory_intervals`` / ``live_timeline``, the one sweep). ``compose`` lays
+the rank's actions end to end as the phases of ``liveness.composition`` (one per
+action: its receive, then the stage's nodes), with the tensors each holds, and takes
+the peak of the one composed timeline. The runtime model is the executor of
+``distributed.pipeline_step`` (a Megatron-style loop over gloo/nccl point-to-point,
+measured to the byte on CPU); each rule is a kind of tensor of the composition:
 
-- F(j) on a stage that receives: the receive buffer of the activation is allocated
-  first (``in_bytes``); it lives until its last use (inside forward, or in backward
-  when backward reads it, then it is held with the saved activations in between).
-- a sent tensor (F's output, B's input gradient) stays alive until the next action's
-  receive has completed (the send is asynchronous and waited after that receive).
-- B(j) on a stage that is not the last: the receive buffer of the output gradient
-  (``tangent_bytes``) lives until its last use in backward. The last stage's tangent
-  is the loss's ``ones`` and is static.
-- parameter gradients: the first backward's become the accumulator, later ones are
-  added into it in place and freed (``grad_accumulator="in_step"``); with ``"static"``
-  the accumulator exists before the step (Megatron-LM's ``main_grad`` buffers) and
-  every backward's gradients are freed after they are added.
+- ``"microbatch"``: the running microbatch's own timeline, step by step (at the
+  receive of B(j): what microbatch j held since F(j)).
+- ``"held"``: between F(j) and B(j), microbatch j's saved values, and its received
+  activation when backward reads it.
+- ``"received"``: F(j) on a stage that receives: the receive buffer of the activation
+  is allocated first (``in_bytes``) and lives until its last use in forward (in
+  backward when backward reads it). B(j) on a stage that is not the last: the receive
+  buffer of the output gradient (``tangent_bytes``) lives until its last use in
+  backward. The last stage's tangent is the loss's ``ones`` and is static.
+- ``"sent"``: a sent tensor (F's output, B's input gradient) stays alive until the
+  next action's receive has completed (the send is asynchronous and waited after that
+  receive; ``send_releases`` where that deadlocks).
+- ``"accumulator"``: parameter gradients: the first backward's become the accumulator,
+  later ones are added into it in place and freed (``grad_accumulator="in_step"``);
+  with ``"static"`` the accumulator exists before the step (Megatron-LM's
+  ``main_grad`` buffers) and every backward's gradients are freed after they are added.
 - the forward output is dropped once sent (the loss once read); liveness keeps a
   forward output to the end of the step, so the backward timeline leaves it out
-  unless backward saves it.
+  unless backward saves it. What outlives the rank's last action is not in its step.
 """
 
 from __future__ import annotations
@@ -36,27 +42,15 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from ..errors import InvalidOption, RematError
+from ..errors import RematError
+from ..liveness.composition import Phase, Place, SpanTensor, compose_step
 from ..liveness.intervals import Intervals, memory_intervals
 from ..liveness.timeline import live_timeline
 from ..memory.memory_model import MemoryModel
 from ..recompute.rewrite import RewrittenStep
+from .pipeline_schedule import Action
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 GRAD_ACCUMULATORS = ("in_step", "static")
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One action of a rank: forward or backward of microbatch ``microbatch`` on
-    (global) stage ``stage``."""
-
-    stage: int
-    kind: str  # "F" or "B"
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f"@s{self.stage}" if self.stage else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,211 +179,6 @@ def _storage_of(iv: Intervals, node: Any) -> int | None:
     return sid if isinstance(sid, int) else None
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Megatron-LM's even split: ``num_stages`` consecutive ranges of L / num_stages
-    layers (``--num-layers`` must be divisible by the number of stages,
-    ``pipeline-model-parallel-size`` x ``virtual-pipeline-model-parallel-size``).
-
-    Raises:
-        InvalidOption: L is smaller than or not divisible by ``num_stages``.
-
-    Example:
-        >>> stage_layers(8, 4)
-        [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    """
-    if num_stages < 1 or num_layers < num_stages or num_layers % num_stages:
-        raise InvalidOption(
-            f"{num_layers} layers cannot be split evenly into {num_stages} pipeline stages: the number of "
-            f"stages (pp x vpp) must divide L={num_layers}; legal values: "
-            f"{[d for d in range(1, num_layers + 1) if num_layers % d == 0]}"
-        )
-    per = num_layers // num_stages
-    return [range(i * per, (i + 1) * per) for i in range(num_stages)]
-
-
-def rank_actions(schedule: str, rank: int, num_ranks: int, num_microbatches: int,
-                 virtual_stages: int = 1) -> list[Action]:
-    """The order in which ``rank`` runs its forwards and backwards.
-
-    - ``gpipe``: all m forwards, then all m backwards (Huang et al. 2019).
-    - ``1f1b``: Megatron-LM's ``forward_backward_pipelining_without_interleaving``:
-      min(p - rank - 1, m) warm-up forwards, then one forward and one backward in
-      turn, then the remaining backwards. (torch.distributed.pipelining's
-      ``Schedule1F1B`` runs the same sequence.)
-    - ``interleaved``: Megatron-LM's ``forward_backward_pipelining_with_interleaving``
-      with v model chunks per rank; rank r holds stages c * p + r (c = 0..v-1);
-      warm-up (p - rank - 1) * 2 + (v - 1) * p virtual microbatches (all when m = p);
-      virtual microbatch k runs chunk (k mod p*v) // p forward (reversed for
-      backward) on microbatch (k // (p*v)) * p + k mod p.
-
-    Raises:
-        InvalidOption: an unknown schedule; m < 1; interleaved with v < 2 or m not a
-            multiple of p; 1f1b / interleaved with m < p.
-
-    Example:
-        >>> [str(a) for a in rank_actions("1f1b", 0, 2, 3)]
-        ['F0', 'F1', 'B0', 'F2', 'B1', 'B2']
-    """
-    validate_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
-    p, m = num_ranks, num_microbatches
-    if schedule == "gpipe":
-        return [Action(rank, "F", j) for j in range(m)] + [Action(rank, "B", j) for j in range(m)]
-    if schedule == "1f1b":
-        warm = min(p - rank - 1, m)
-        out = [Action(rank, "F", j) for j in range(warm)]
-        for j in range(m - warm):
-            out += [Action(rank, "F", warm + j), Action(rank, "B", j)]
-        return out + [Action(rank, "B", j) for j in range(m - warm, m)]
-    v = virtual_stages
-    total = m * v
-    warm = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
-
-    def virtual(k: int, kind: str) -> Action:
-        chunk = (k % (p * v)) // p
-        if kind == "B":
-            chunk = v - 1 - chunk
-        return Action(chunk * p + rank, kind, (k // (p * v)) * p + k % p)
-
-    out = [virtual(k, "F") for k in range(warm)]
-    for k in range(total - warm):
-        out += [virtual(warm + k, "F"), virtual(k, "B")]
-    return out + [virtual(k, "B") for k in range(total - warm, total)]
-
-
-def validate_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
-    """Check a pipeline schedule's settings (see ``rank_actions``).
-
-    Raises:
-        InvalidOption: the message names the setting and its legal values.
-    """
-    p, m, v = num_ranks, num_microbatches, virtual_stages
-    if schedule not in PIPELINE_SCHEDULES:
-        raise InvalidOption(f"pipeline schedule {schedule!r} is not one of {PIPELINE_SCHEDULES}")
-    if p < 1 or m < 1:
-        raise InvalidOption(f"pipeline size {p} and microbatches {m} must both be 1 or more")
-    if schedule == "interleaved":
-        if v < 2:
-            raise InvalidOption(f"the interleaved schedule needs --vpp 2 or more model chunks per rank (got {v})")
-        if m % p:
-            raise InvalidOption(f"the interleaved schedule needs microbatches divisible by the pipeline size "
-                             f"{p} (Megatron-LM's rule); got {m}: use one of {[p * k for k in range(1, 5)]}")
-    elif v != 1:
-        raise InvalidOption(f"--vpp {v} needs --pipeline-schedule interleaved ({schedule} has one chunk per rank)")
-    if schedule in ("1f1b", "interleaved") and m < p:
-        raise InvalidOption(f"{schedule} needs at least as many microbatches as pipeline stages: m={m} < p={p}; "
-                         f"use --microbatches {p} or more, or gpipe")
-
-
-def _source(a: Action, num_stages: int) -> tuple[int, str, int] | None:
-    """The action whose result ``a`` receives (None: nothing to receive)."""
-    if a.kind == "F":
-        return (a.stage - 1, "F", a.microbatch) if a.stage > 0 else None
-    return (a.stage + 1, "B", a.microbatch) if a.stage < num_stages - 1 else None
-
-
-def _sends(a: Action, num_stages: int) -> bool:
-    return (a.kind == "F" and a.stage < num_stages - 1) or (a.kind == "B" and a.stage > 0)
-
-
-def simulate(actions_by_rank: Sequence[Sequence[Action]], num_stages: int,
-             releases: Sequence[Sequence[int]]) -> list[list[tuple[int, ...]]]:
-    """Run the ranks' action lists over rendezvous point-to-point (gloo: a send
-    completes once its receiver has posted the receive). Each action first posts and
-    waits its receive, then waits the sends it releases (``releases[r][k]``: the action
-    index at which rank r waits the send of its action k; ``len`` = the end of the
-    step), then runs and posts its own send.
-
-    Returns:
-        For every rank and action, the vector clock at its start: for each rank q, the
-        last action of q known to have posted its receive (-1: none).
-
-    Raises:
-        RematError: the orders deadlock (names each rank's blocked action).
-    """
-    world = len(actions_by_rank)
-    where = {(a.stage, a.kind, a.microbatch): (r, k) for r, acts in enumerate(actions_by_rank)
-             for k, a in enumerate(acts)}
-    pos = [0] * world
-    posted: set[tuple[int, int]] = set()
-    done: dict[tuple[int, int], tuple[int, ...]] = {}  # (rank, k) -> clock when its send was posted
-    clocks: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
-    clock = [[-1] * world for _ in range(world)]
-    waits = [{} for _ in range(world)]  # rank -> release index -> [receiver (rank, k)]
-    for r, acts in enumerate(actions_by_rank):
-        for k, a in enumerate(acts):
-            if _sends(a, num_stages):
-                dest = _dest(a, num_stages)
-                if dest not in where:
-                    raise RematError(f"rank {r}: {a} sends to {dest}, which no rank runs")
-                waits[r].setdefault(releases[r][k], []).append(where[dest])
-    while any(pos[r] < len(acts) for r, acts in enumerate(actions_by_rank)):
-        progressed = False
-        for r, acts in enumerate(actions_by_rank):
-            while pos[r] <= len(acts):
-                k = pos[r]
-                if k < len(acts):
-                    posted.add((r, k))
-                    clock[r][r] = k
-                    src = _source(acts[k], num_stages)
-                    sender = where.get(src) if src is not None else None
-                    if src is not None and sender not in done:
-                        break
-                    if sender is not None:
-                        clock[r] = [max(x, y) for x, y in zip(clock[r], done[sender])]
-                if not all(rcv in posted for rcv in waits[r].get(k, ())):
-                    break
-                if k == len(acts):
-                    pos[r] += 1
-                    break
-                clocks[r].append(tuple(clock[r]))
-                done[(r, k)] = tuple(clock[r])
-                pos[r] += 1
-                progressed = True
-        if not progressed and any(pos[r] < len(acts) for r, acts in enumerate(actions_by_rank)):
-            blocked = [f"rank {r}: {acts[pos[r]]}" for r, acts in enumerate(actions_by_rank) if pos[r] < len(acts)]
-            raise RematError("the pipeline action orders deadlock: " + "; ".join(blocked))
-    return clocks
-
-
-def _dest(a: Action, num_stages: int) -> tuple[int, str, int]:
-    return (a.stage + 1, "F", a.microbatch) if a.kind == "F" else (a.stage - 1, "B", a.microbatch)
-
-
-def send_releases(actions_by_rank: Sequence[Sequence[Action]], num_stages: int) -> list[list[int]]:
-    """Where each rank waits (and frees) the tensor each of its actions sends.
-
-    Megatron-style first: the send of action k is waited at action k + 1, after that
-    action's receive (``distributed.pipeline_step``). Where that deadlocks under
-    rendezvous sends (interleaved 1F1B: two ranks each waiting for the other to post a
-    receive), every send is instead waited at the first later action at which it is
-    known complete: the first whose receive brings word (by the vector clocks of
-    ``simulate``) that the receiver has posted its receive; the wait then cannot block.
-
-    Returns:
-        ``releases[r][k]``: the action index of rank r at which the send of its action
-        k is waited (``len(actions)``: the end of the step).
-    """
-    nxt = [[k + 1 for k in range(len(acts))] for acts in actions_by_rank]
-    try:
-        simulate(actions_by_rank, num_stages, nxt)
-        return nxt
-    except RematError:
-        pass
-    end = [[len(acts)] * len(acts) for acts in actions_by_rank]
-    clocks = simulate(actions_by_rank, num_stages, end)
-    where = {(a.stage, a.kind, a.microbatch): (r, k) for r, acts in enumerate(actions_by_rank)
-             for k, a in enumerate(acts)}
-    out = []
-    for r, acts in enumerate(actions_by_rank):
-        rel = []
-        for k, a in enumerate(acts):
-            q, i = where[_dest(a, num_stages)] if _sends(a, num_stages) else (r, -1)
-            rel.append(next((k2 for k2 in range(k + 1, len(acts)) if clocks[r][k2][q] >= i), len(acts)))
-        out.append(rel)
-    simulate(actions_by_rank, num_stages, out)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class RankPeak:
     """The composed peak of one rank.
@@ -418,64 +207,108 @@ class RankPeak:
 
 def compose(profiles: dict[int, StageProfile], actions: Sequence[Action], releases: Sequence[int] | None = None,
             grad_accumulator: str = "in_step") -> RankPeak:
-    """Replay ``actions`` over the stages' profiles: the rank's peak (module docstring).
+    """The rank's peak: ``rank_composition`` composed by ``composition.compose_step``
+    (bytes); the split of the peak sums the tensors live there by kind.
 
     Args:
         profiles: global stage index -> its StageProfile (every stage ``actions`` runs).
-        actions: the rank's actions (``rank_actions``).
-        releases: ``send_releases(...)[rank]``: the action at which each action's sent
-            tensor is waited and freed, after that action's receive; default k + 1.
+        actions: the rank's actions (``pipeline_schedule.rank_actions``).
+        releases: ``pipeline_schedule.send_releases(...)[rank]``: the action at which
+            each action's sent tensor is waited and freed, after that action's
+            receive; default k + 1.
         grad_accumulator: ``"in_step"`` or ``"static"`` (module docstring).
 
     Raises:
         RematError: unknown accumulator; B before F of a microbatch; a stage without a
             profile.
     """
+    phases, tensors, in_flight = rank_composition(profiles, actions, releases, grad_accumulator)
+    step = compose_step(phases, tensors)
+    if step.peak_bytes <= 0:
+        return RankPeak(0, "", "", 0, 0, 0, 0, in_flight)
+    by = step.live_bytes_by_kind(step.peak_place.index)
+    return RankPeak(step.peak_bytes, step.peak_place.graph, step.peak_place.node, by.get("held", 0),
+                    by.get("accumulator", 0), by.get("received", 0) + by.get("sent", 0), by.get("microbatch", 0),
+                    in_flight)
+
+
+def rank_composition(profiles: dict[int, StageProfile], actions: Sequence[Action],
+                     releases: Sequence[int] | None = None, grad_accumulator: str = "in_step",
+                     ) -> tuple[list[Phase], list[SpanTensor], int]:
+    """A rank's step as the phases and tensors of ``liveness.composition``: a phase per
+    action (graph ``str(action)``; step 0 ``"recv"``, its receive, then the stage's
+    nodes) and the tensors of the kinds of the module docstring (bytes).
+
+    Returns:
+        ``(phases, tensors, in_flight)``, in_flight the most microbatches a local stage
+        held at once (F done, B not). Args and errors: as ``compose``.
+    """
     if grad_accumulator not in GRAD_ACCUMULATORS:
         raise RematError(f"grad_accumulator {grad_accumulator!r} is not one of {GRAD_ACCUMULATORS}")
-    releases = list(releases) if releases is not None else [k + 1 for k in range(len(actions))]
-    held: dict[tuple[int, int], int] = {}
-    acc: dict[int, int] = {}
-    pending: dict[int, int] = {}  # release action index -> bytes sent and not yet waited
-    best = RankPeak(0, "", "", 0, 0, 0, 0, 0)
-    in_flight = 0
+    n = len(actions)
+    releases = list(releases) if releases is not None else [k + 1 for k in range(n)]
+    held_last, in_flight = _held_until(profiles, actions)
+    phases = [Phase(str(a), "forward" if a.kind == "F" else "backward", ("recv",) + tuple(
+        profiles[a.stage].forward_nodes if a.kind == "F" else profiles[a.stage].backward_nodes)) for a in actions]
+    end = Place(n - 1, phases[-1].num_slots - 1) if actions else None
+    first_backward = {a.stage: k for k, a in reversed(list(enumerate(actions))) if a.kind == "B"}
+    tensors: list[SpanTensor] = []
+    for k, a in enumerate(actions):
+        prof, label, after = profiles[a.stage], str(a), Place(k + 1, 0)
+        tensors += _action_tensors(k, a, prof)
+        if k + 1 == n:
+            continue
+        last = held_last.get(k, n - 1)
+        if a.kind == "F" and last > k:
+            tensors.append(SpanTensor("saved", label, "held", prof.saved_bytes + prof.in_held_bytes, after,
+                                      Place(last, phases[last].num_slots - 1)))
+        if a.kind == "B" and grad_accumulator == "in_step" and first_backward[a.stage] == k:
+            tensors.append(SpanTensor("parameter gradients", label, "accumulator", prof.param_grad_bytes, after, end))
+        sent, r = (prof.out_send_bytes if a.kind == "F" else prof.input_grad_bytes), releases[k]
+        tensors.append(SpanTensor("sent", label, "sent", sent, after, Place(r, 0) if k < r < n else end))
+    return phases, [t for t in tensors if t.nbytes], in_flight
 
-    def consider(a: Action, node: str, others: int, buffers: int, own: int) -> None:
-        nonlocal best
-        total = others + sum(acc.values()) + buffers + own
-        if total > best.peak_bytes:
-            best = RankPeak(total, str(a), node, others, sum(acc.values()), buffers, own, 0)
 
+def _held_until(profiles: dict[int, StageProfile], actions: Sequence[Action]) -> tuple[dict[int, int], int]:
+    """Forward action index -> the last action during which its microbatch is held: the
+    one before its backward, or a repeated forward of it (the executor replaces what the
+    first one held; absent: to the end), and in_flight.
+
+    Raises:
+        RematError: as ``compose``, at the first action in error.
+    """
+    open_f: dict[tuple[int, int], int] = {}
+    last, in_flight = {}, 0
     for k, a in enumerate(actions):
         if a.stage not in profiles:
             raise RematError(f"no profile for stage {a.stage} (action {a})")
-        prof = profiles[a.stage]
-        n_fw = len(prof.forward_bytes)
-        own = 0
-        if a.kind == "B":
-            own = held.pop((a.stage, a.microbatch), -1)
-            if own < 0:
-                raise RematError(f"action {a}: backward of a microbatch whose forward has not run")
-        others = sum(held.values())
-        consider(a, "recv", others, sum(pending.values()) + (prof.in_bytes if a.kind == "F" else prof.tangent_bytes),
-                 own)
-        pending.pop(k, None)
-        sends = sum(pending.values())
         if a.kind == "F":
-            for i, live in enumerate(prof.forward_bytes):
-                x = prof.in_bytes if i <= prof.in_last_step else 0
-                consider(a, prof.forward_nodes[i], others, sends + x, live)
-            held[(a.stage, a.microbatch)] = prof.saved_bytes + prof.in_held_bytes
-            in_flight = max(in_flight, sum(1 for s, _ in held if s == a.stage))
-            sent = prof.out_send_bytes
+            if (a.stage, a.microbatch) in open_f:
+                last[open_f[(a.stage, a.microbatch)]] = k
+            open_f[(a.stage, a.microbatch)] = k
+            in_flight = max(in_flight, sum(1 for s, _ in open_f if s == a.stage))
+        elif (a.stage, a.microbatch) in open_f:
+            last[open_f.pop((a.stage, a.microbatch))] = k - 1
         else:
-            for i, live in enumerate(prof.backward_bytes):
-                x = prof.in_bytes if i + n_fw <= prof.in_last_step else 0
-                t = prof.tangent_bytes if i <= prof.tangent_last_step else 0
-                consider(a, prof.backward_nodes[i], others, sends + x + t, live)
-            if grad_accumulator == "in_step":
-                acc.setdefault(a.stage, prof.param_grad_bytes)
-            sent = prof.input_grad_bytes
-        if sent:
-            pending[releases[k]] = pending.get(releases[k], 0) + sent
-    return dataclasses.replace(best, in_flight=in_flight)
+            raise RematError(f"action {a}: backward of a microbatch whose forward has not run")
+    return last, in_flight
+
+
+def _action_tensors(k: int, a: Action, prof: StageProfile) -> list[SpanTensor]:
+    """What action ``k`` holds in its own phase: its microbatch's timeline, and the
+    receive buffers it reads to their last use (``rank_composition``)."""
+    label, n_fw, n_bw = str(a), len(prof.forward_bytes), len(prof.backward_bytes)
+    if a.kind == "F":
+        last = 1 + min(prof.in_last_step, n_fw - 1) if prof.in_last_step >= 0 else 0
+        return [SpanTensor("received activation", label, "received", prof.in_bytes, Place(k, 0), Place(k, last))] + [
+            SpanTensor(prof.forward_nodes[i], label, "microbatch", b, Place(k, i + 1), Place(k, i + 1))
+            for i, b in enumerate(prof.forward_bytes)]
+    out = [SpanTensor("held since forward", label, "microbatch", prof.saved_bytes + prof.in_held_bytes,
+                      Place(k, 0), Place(k, 0))]
+    out += [SpanTensor(prof.backward_nodes[i], label, "microbatch", b, Place(k, i + 1), Place(k, i + 1))
+            for i, b in enumerate(prof.backward_bytes)]
+    if prof.in_last_step >= n_fw and n_bw:
+        out.append(SpanTensor("received activation", label, "received", prof.in_bytes, Place(k, 1),
+                              Place(k, 1 + min(prof.in_last_step - n_fw, n_bw - 1))))
+    last = 1 + min(prof.tangent_last_step, n_bw - 1) if prof.tangent_last_step >= 0 else 0
+    return out + [SpanTensor("output gradient", label, "received", prof.tangent_bytes, Place(k, 0), Place(k, last))]

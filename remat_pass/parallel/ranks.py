@@ -33,16 +33,13 @@ import torch.nn as nn
 from ..recompute import schedule as schedules
 from ..graph.costs import node_flops
 from ..errors import InvalidOption, LayerStackNotFound
-from .pipeline import (
+from .pipeline import RankPeak, StageProfile, compose, stage_profile
+from .pipeline_schedule import (
     PIPELINE_SCHEDULES,
     Action,
-    RankPeak,
-    StageProfile,
-    compose,
     rank_actions,
     send_releases,
     stage_layers,
-    stage_profile,
     validate_schedule,
 )
 from ..graph.regions import LayerStack, assign_layers, find_layer_stack
@@ -105,7 +102,7 @@ class ParallelConfig:
         return [c * self.pp + pp_index for c in range(self.vpp)]
 
     def actions(self, rank: int) -> list[Action]:
-        """The rank's forward/backward order (``pipeline.rank_actions``)."""
+        """The rank's forward/backward order (``pipeline_schedule.rank_actions``)."""
         pp_index = self.coords(rank)[0]
         if self.pp == 1:
             return [a for j in range(self.microbatches) for a in (Action(0, "F", j), Action(0, "B", j))]
@@ -113,7 +110,7 @@ class ParallelConfig:
 
 
     def releases(self, rank: int) -> list[int]:
-        """Where the rank waits each action's send (``pipeline.send_releases``)."""
+        """Where the rank waits each action's send (``pipeline_schedule.send_releases``)."""
         if self.pp == 1:
             return [k + 1 for k in range(2 * self.microbatches)]
         return list(_releases(self.pipeline_schedule, self.pp, self.microbatches, self.vpp)[self.coords(rank)[0]])
@@ -244,7 +241,7 @@ def split_stage(model: nn.Module, stage: int, num_stages: int) -> tuple[nn.Modul
 
     Raises:
         InvalidOption: the model has no ``pipeline_layout``, or its layers do not
-            split evenly (``pipeline.stage_layers``).
+            split evenly (``pipeline_schedule.stage_layers``).
     """
     layout = getattr(model, "pipeline_layout", None)
     if layout is None:

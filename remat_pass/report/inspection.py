@@ -1,23 +1,21 @@
 """Look inside a rewritten step: per-node tables, saved activations, recompute segments.
 
-Three readers use this module:
+Two readers use this module:
 
 - ``remat-pass inspect --model module:factory``: trace, rewrite under a schedule, print.
 - ``remat-pass inspect --graph PATH``: read a file written by ``dump_step`` (the
   torch.compile backend writes one per compiled graph) and print the same tables, so a
   user can see what the pass did inside their own training job.
-- ``plot.plot_timeline``: live bytes per step split by layer (``live_bytes_by_layer``).
 
 Everything printed comes from ``describe_step(step, report)``, a JSON-ready dict; a dump
 file is that dict, so a table read back from disk is the table printed live, byte for
 byte.
 
-Storage accounting is ``liveness.analyze``'s, step for step: the intervals, sizes and
-scratch come from ``intervals.live_intervals`` and the sums from ``liveness.live_timeline``
-(``tests/test_inspection.py`` checks that they give ``MemoryReport.timeline`` exactly). A step is a call_function node of the forward
-graph, then of the backward graph; a storage is live from the step that allocates it
-to the last use of any alias, inclusive. "freed here" lists the storages whose last
-step is this one (they are dropped right after it).
+The figures (what each step allocates, frees and holds as scratch, the bytes of each
+saved value) are ``liveness.step_storages``', which counts storages exactly as
+``liveness.analyze`` does; this module only gathers them with the nodes' names, ops,
+shapes and reasons, and formats them. "freed here" lists the storages whose last step
+is this one (they are dropped right after it).
 """
 
 from __future__ import annotations
@@ -31,10 +29,10 @@ import torch
 import torch.fx as fx
 
 from ..graph.costs import node_flops
-from ..formatting import fmt_bytes, natural_key, text_table
-from ..liveness.intervals import Intervals, Storage, memory_intervals
-from ..liveness.timeline import MemoryReport, live_timeline
-from ..memory.memory_model import MemoryModel
+from ..formatting import fmt_bytes, text_table
+from ..liveness.intervals import Intervals
+from ..liveness.step_storages import report_memory, saved_storages, sized_intervals, step_storages
+from ..liveness.timeline import MemoryReport
 from .schedule_report import report_json, schema_error, validation_message
 from ..recompute.rewrite import RewrittenStep
 
@@ -42,61 +40,6 @@ DUMP_FORMAT = "remat-pass-graph"
 DUMP_FORMAT_VERSION = 1
 DUMP_SUFFIX = ".remat.json"
 DUMP_SCHEMA_FILE = Path(__file__).with_name("dump_schema.json")
-
-
-# --------------------------------------------------------------------------- intervals
-
-
-def _intervals(step: RewrittenStep, memory: MemoryModel | str) -> Intervals:
-    """``intervals.memory_intervals``: sized and with scratch exactly as ``analyze`` does
-    with the memory model ``memory`` (an allocator name: the table-only model)."""
-    if isinstance(memory, str):
-        memory = MemoryModel.table_only(memory)
-    return memory_intervals(step, memory)[0]
-
-
-def _model_of(report: MemoryReport) -> MemoryModel | str:
-    return report.memory if report.memory is not None else report.allocator
-
-
-def storage_intervals(step: RewrittenStep, allocator: MemoryModel | str = "cpu") -> list[Storage]:
-    """Every activation storage of ``step`` with its live steps (``liveness.analyze``'s model).
-
-    Args:
-        step: the rewritten step.
-        allocator: "cpu" (exact bytes) or "cuda" (blocks rounded up to 512 bytes) with
-            the formula table's scratch, or the MemoryModel ``analyze`` was given.
-
-    Returns:
-        ``intervals.Storage`` values in allocation order, then one of kind ``"scratch"``
-        per step with modelled scratch memory (live during that step only); static
-        storages (primals, tangents) and empty ones are left out. Summing ``nbytes``
-        over those that hold step ``i`` gives ``analyze(step, allocator).timeline[i]``.
-
-    Raises:
-        ValueError: unknown allocator, or a symbolic (non-integer) storage size.
-    """
-    return [s for s in _intervals(step, allocator).storages if not s.static and s.nbytes]
-
-
-def live_bytes_by_layer(
-    step: RewrittenStep, allocator: MemoryModel | str = "cpu"
-) -> tuple[list[str], list[list[int]]]:
-    """Live activation bytes at every step, split by the layer that allocated them
-    (``allocator``: as for ``storage_intervals``).
-
-    Returns:
-        ``(labels, rows)``: labels ``["outer", "layer 0", ..]`` (only those that hold
-        bytes), and ``rows[j][i]`` = bytes of label j live at step i (``liveness.
-        live_timeline`` of that layer's storages). The column sums equal
-        ``MemoryReport.timeline[i].live_bytes``.
-    """
-    iv = _intervals(step, allocator)
-    layers = sorted({s.layer for s in iv.storages if not s.static and s.nbytes},
-                    key=lambda x: (x is not None, x if x is not None else -1))
-    rows = [live_timeline(iv, select=lambda s, layer=layer: s.layer == layer) for layer in layers]
-    labels = ["outer" if layer is None else f"layer {layer}" for layer in layers]
-    return labels, rows
 
 
 # --------------------------------------------------------------------------- description
@@ -146,7 +89,7 @@ def describe_step(
         value that backward reads), ``freed`` (storages dropped right after this step),
         ``freed_bytes``, ``live_bytes`` (the timeline), ``flops``.
     """
-    iv = _intervals(step, _model_of(report))
+    iv = sized_intervals(step, report_memory(report))
     nodes = _node_rows(step, report, iv)
     return {
         "format": DUMP_FORMAT,
@@ -162,21 +105,13 @@ def describe_step(
 
 def _node_rows(step: RewrittenStep, report: MemoryReport, iv: Intervals) -> list[dict[str, Any]]:
     """One row per step (see ``describe_step``)."""
-    alloc_at: dict[int, int] = {}
-    freed_at: dict[int, list[Storage]] = {}
-    scratch = [0] * len(iv.steps)
-    for st in iv.storages:
-        if st.kind == "scratch":
-            scratch[st.first] += st.nbytes
-        elif not st.static and st.nbytes:
-            alloc_at[st.first] = alloc_at.get(st.first, 0) + st.nbytes
-            freed_at.setdefault(st.last, []).append(st)
+    per_step = step_storages(iv)
     saved_names = set(step.saved)
     rows = []
     for i, n in enumerate(iv.steps):
         graph = "forward" if i < len(iv.fw_steps) else "backward"
         shape, dtype = _shape_dtype(n.meta.get("val"))
-        freed = sorted(freed_at.get(i, ()), key=lambda st: (-st.nbytes, natural_key(st.name)))
+        here = per_step[i]
         rows.append({
             "step": i,
             "graph": graph,
@@ -186,11 +121,11 @@ def _node_rows(step: RewrittenStep, report: MemoryReport, iv: Intervals) -> list
             "kind": step.kind_of.get(n.name, graph),
             "shape": shape,
             "dtype": dtype,
-            "alloc_bytes": alloc_at.get(i, 0),
-            "scratch_bytes": scratch[i],
+            "alloc_bytes": here.alloc_bytes,
+            "scratch_bytes": here.scratch_bytes,
             "saved": graph == "forward" and n.name in saved_names,
-            "freed": [st.name for st in freed],
-            "freed_bytes": sum(st.nbytes for st in freed),
+            "freed": [st.name for st in here.freed],
+            "freed_bytes": here.freed_bytes,
             "live_bytes": report.timeline[i].live_bytes if i < len(report.timeline) else None,
             "flops": node_flops(n),
         })
@@ -217,24 +152,18 @@ def _saved_rows(step: RewrittenStep, iv: Intervals) -> list[dict[str, Any]]:
     """One row per saved value, in the order forward returns them."""
     fw_by_name = {n.name: n for n in step.forward.graph.nodes}
     rows = []
-    seen_storage: dict[int, str] = {}
-    for name, sid in zip(step.saved, iv.saved_sids):
-        n = fw_by_name.get(name)
+    for saved in saved_storages(step, iv):
+        n = fw_by_name.get(saved.name)
         shape, dtype = _shape_dtype(n.meta.get("val") if n is not None else None)
-        st = iv.storages[sid] if isinstance(sid, int) else None
-        nbytes = st.nbytes if st is not None and not st.static else 0
-        alias = seen_storage.get(sid) if isinstance(sid, int) else None
-        if isinstance(sid, int) and alias is None:
-            seen_storage[sid] = name
         rows.append({
-            "name": name,
-            "layer": step.layer_of.get(name),
+            "name": saved.name,
+            "layer": step.layer_of.get(saved.name),
             "shape": shape,
             "dtype": dtype,
-            "bytes": 0 if alias is not None else nbytes,
-            "alias_of": alias,
-            "static": st is not None and st.static,
-            "why": _why_saved(step, name),
+            "bytes": saved.nbytes,
+            "alias_of": saved.alias_of,
+            "static": saved.static,
+            "why": _why_saved(step, saved.name),
         })
     return rows
 

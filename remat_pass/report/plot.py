@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..formatting import MIB
-from .inspection import live_bytes_by_layer
+from ..liveness.step_storages import live_bytes_by_layer
 from ..liveness.timeline import MemoryReport
 from .schedule_report import where
 from ..recompute.rewrite import RewrittenStep
@@ -23,7 +23,7 @@ def plot_timeline(
     """Draw live activation bytes over the forward and backward steps as a PNG.
 
     The predicted bytes are stacked by the layer that allocated them when ``step`` is
-    given (``inspection.live_bytes_by_layer``; the stack's top is the timeline), else
+    given (``step_storages.live_bytes_by_layer``; the stack's top is the timeline), else
     drawn as one area. A dashed line splits forward from backward; the peak is marked
     and labelled with its node and layer.
 

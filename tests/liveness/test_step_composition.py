@@ -1,4 +1,4 @@
-"""The step composition (step_composition, step_flow) on hand-counted graphs: each
+"""The step composition (composition, step_flow) on hand-counted graphs: each
 rule of what crosses between graphs pins one lifetime; no torch.compile needed."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def test_rules_by_hand():
         56, "A", "backward", "ba1")
     assert [t.name for t in step.live_at_peak()] == ["grad_w", "grad_v", "loss", "tangent 0"]
     assert step.phase_peaks() == [30, 34, 48, 56]
+    assert step.live_bytes_by_kind(step.peak_place.index) == {"gradient": 48, "loss": 4, "loss tangent": 4}
 
 
 def test_added_gradient_and_zero_tangent():

@@ -8,15 +8,9 @@ import torch
 from remat_pass.errors import InvalidOption, RematError
 from remat_pass.models import tiny_llama
 from remat_pass.parallel.ranks import ParallelConfig, fake_process_group, predict_rank, trace_rank
-from remat_pass.parallel.pipeline import (
-    Action,
-    StageProfile,
-    compose,
-    rank_actions,
-    send_releases,
-    simulate,
-    stage_layers,
-)
+from remat_pass.liveness.composition import compose_step
+from remat_pass.parallel.pipeline import StageProfile, compose, rank_composition
+from remat_pass.parallel.pipeline_schedule import Action, rank_actions, send_releases, simulate, stage_layers
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,6 +78,46 @@ def test_compose_1f1b_holds_p_minus_i_microbatches_and_gpipe_all_m():
         assert one.in_flight == p - r
         gpipe = compose({r: profiles[r]}, rank_actions("gpipe", r, p, m))
         assert gpipe.in_flight == m and gpipe.held_bytes == (m - 1) * 4 * (1 << 20)
+
+
+def test_compose_by_hand_1f1b_two_stages():
+    """p = 2, m = 3, saved 4 units (module docstring of pipeline). Stage 0, ``static``:
+    at B0's first step it holds F1's saved values (4), its own working set (6) and the
+    received output gradient (1); F1's send was waited at B0's receive. ``in_step``
+    adds B0's parameter gradients (1) at B1, which holds F2 (4): 12. Stage 1 (last)
+    holds no microbatch across actions (F then B at once): its working set, plus the
+    accumulator."""
+    u = 1 << 20
+    profiles = {s: _profile(s, 4, s == 0, s == 1) for s in range(2)}
+    peaks = {(r, acc): compose({r: profiles[r]}, rank_actions("1f1b", r, 2, 3), grad_accumulator=acc)
+             for r in range(2) for acc in ("static", "in_step")}
+    fields = {k: (p.peak_bytes // u, p.action, p.node, p.held_bytes // u, p.accumulator_bytes // u,
+                  p.buffer_bytes // u, p.microbatch_bytes // u, p.in_flight) for k, p in peaks.items()}
+    assert fields == {
+        (0, "static"): (11, "B0", "b0", 4, 0, 1, 6, 2),
+        (0, "in_step"): (12, "B1", "b0", 4, 1, 1, 6, 2),
+        (1, "static"): (6, "B0@s1", "b0", 0, 0, 0, 6, 1),
+        (1, "in_step"): (7, "B1@s1", "b0", 0, 1, 0, 6, 1),
+    }
+
+
+def test_compose_is_the_composition_of_the_ranks_phases_and_tensors():
+    """The rank's peak is ``compose_step``'s over ``rank_composition``: a phase per
+    action (its receive first), and the peak's split sums the live tensors by kind."""
+    profiles = {s: _profile(s, 4, s == 0, s == 3) for s in range(4)}
+    actions = rank_actions("1f1b", 1, 4, 8)
+    phases, tensors, in_flight = rank_composition({1: profiles[1]}, actions)
+    assert [p.graph for p in phases] == [str(a) for a in actions] and all(p.steps[0] == "recv" for p in phases)
+    assert {t.kind for t in tensors} == {"microbatch", "held", "received", "sent", "accumulator"}
+    step = compose_step(phases, tensors)
+    peak = compose({1: profiles[1]}, actions)
+    assert (peak.peak_bytes, peak.action, peak.node, peak.in_flight) == (
+        step.peak_bytes, step.peak_place.graph, step.peak_place.node, in_flight)
+    assert peak.held_bytes + peak.accumulator_bytes + peak.buffer_bytes + peak.microbatch_bytes == peak.peak_bytes
+    with pytest.raises(RematError, match="forward has not run"):
+        compose({1: profiles[1]}, [Action(1, "B", 0)])
+    with pytest.raises(RematError, match="no profile for stage 2"):
+        compose({1: profiles[1]}, [Action(2, "F", 0)])
 
 
 @pytest.mark.slow

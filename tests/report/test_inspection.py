@@ -1,4 +1,5 @@
-"""Inspection tables, graph dumps, per-step measured timeline (remat_pass.report.inspection)."""
+"""Inspection tables, graph dumps, per-step measured timeline (remat_pass.report.inspection), and
+the per-step storage figures they print (remat_pass.liveness.step_storages)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from remat_pass.report.inspection import (
     DUMP_SUFFIX,
     describe_step,
     dump_step,
-    live_bytes_by_layer,
     load_dump,
     node_table,
     render,
+)
+from remat_pass.liveness.step_storages import (
+    live_bytes_by_layer,
+    report_memory,
+    saved_storages,
+    sized_intervals,
+    step_storages,
     storage_intervals,
 )
 from remat_pass.liveness.timeline import analyze
@@ -177,6 +184,23 @@ def test_storage_intervals_fields(chain_session):
     grads = [iv for iv in ivs if iv.kind == "gradient"]
     assert all(iv.last == len(report.timeline) - 1 for iv in grads)
     assert torch.is_tensor(chain_session.joint.primal_values[0])
+
+
+def test_step_storages_move_the_timeline(chain_session):
+    """What a step allocates and holds as scratch, and what the step before freed, move
+    the live bytes from step to step exactly as analyze() counts them; saved values sum
+    to the saved activation bytes."""
+    for sched in (schedule.none(3), schedule.uniform(1, 3)):
+        step, report, _ = chain_session.prepare(sched)
+        iv = sized_intervals(step, report_memory(report))
+        live, prev = 0, None
+        for here, t in zip(step_storages(iv), report.timeline, strict=True):
+            if prev is not None:
+                live -= prev.freed_bytes + prev.scratch_bytes
+            live += here.alloc_bytes + here.scratch_bytes
+            assert live == t.live_bytes, sched.provenance
+            prev = here
+        assert sum(s.nbytes for s in saved_storages(step, iv)) == report.saved_activation_bytes
 
 
 def test_inspect_a_dump_written_by_the_torch_compile_backend(tmp_path, capsys):
