@@ -286,7 +286,10 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
     calibration = CalibrationOptions(cache_dir=o.calibration_cache) if o.calibrate else None
     session = Session.create(model, inputs, loss_fn, layers=o.stack, seed=o.seed, fake=fake, kernels=kernels,
                              calibration=calibration)
-    session.check_runs()  # a step that cannot run gets no peak (it is refused, naming the node)
+    # a step that cannot run gets no peak (it is refused, naming the node), and every
+    # rewrite takes the real layouts of that run, calibrated or not
+    session = dataclasses.replace(session, check_runs_first=True)
+    session.check_runs()
     stack = session.stack
     stacks = (f"layer stack {stack.path!r} with L={stack.num_layers}" if len(stack.stacks) == 1 else
               f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}")
