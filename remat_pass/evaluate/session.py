@@ -25,7 +25,6 @@ device this machine does not have) is predicted only: its results say so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, ContextManager, Iterable, Sequence
@@ -35,7 +34,6 @@ import torch
 from ..recompute import schedule as schedules
 from ..memory.calibration import CalibrationOptions, Calibrator
 from ..errors import GradientMismatch, RematError
-from ..graph.fake_trace import has_no_data, trace_joint_fake
 from ..graph.costs import bytes_moved
 from ..liveness.timeline import MemoryReport, analyze
 from ..memory.memory_model import MemoryModel
@@ -50,11 +48,12 @@ from ..measure.run import (
     run_step,
 )
 from ..recompute.partition import Partition
-from ..graph.regions import LayerStack, assign_layers, find_layer_stacks
+from ..graph.regions import LayerStack
 from ..recompute.rewrite import RewrittenStep, rewrite
 from ..recompute.schedule import Schedule, megatron_schedules
 from .schedule_result import ScheduleResult, predicted_result, report_fields
-from ..graph.trace import JointGraph, RealLayouts, trace_joint
+from ..graph.trace import JointGraph, RealLayouts
+from .traced_step import StepOptions, TracedStep, trace_step
 
 __all__ = ["Session", "megatron_schedules", "sweep"]
 
@@ -126,7 +125,8 @@ class Session:
         kernels: Callable[[], ContextManager[Any]] | None = None,
     ) -> "Session":
         """Trace the step and find the layer stacks (``layers``: a module path, several,
-        or None to find every stack; see ``regions.find_layer_stacks``).
+        or None to find every stack; see ``regions.find_layer_stacks``), through the
+        one builder (``traced_step.trace_step``).
 
         A model whose parameters, buffers or inputs are meta or fake tensors is traced
         with ``fake_trace.trace_joint_fake`` (predicted only), as is any model when
@@ -144,17 +144,26 @@ class Session:
 
         Raises:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint,
-                trace_joint_fake and assign_layers.
+                trace_joint_fake and assign_layers (``trace_step``).
         """
-        find_layer_stacks(model, layers)  # fail before tracing when there is none
-        if fake or has_no_data(model, example_inputs):
-            with (kernels or contextlib.nullcontext)():
-                joint = trace_joint_fake(model, example_inputs, loss_fn)
-        else:
-            joint = trace_joint(model, example_inputs, loss_fn)
-        stack = assign_layers(joint, layers)
-        calibrator = Calibrator(calibration) if calibration is not None and not joint.fake else None
-        return cls(joint, stack, example_inputs, loss_fn, seed, calibrator)
+        step = trace_step(StepOptions(model=model, example_inputs=example_inputs, loss_fn=loss_fn, stack=layers,
+                                      fake=fake, kernels=kernels))
+        return cls.of_step(step, seed, calibration)
+
+    @classmethod
+    def of_step(cls, step: TracedStep, seed: int = 0,
+                calibration: CalibrationOptions | None = CalibrationOptions(),
+                check_runs_first: bool | None = None) -> "Session":
+        """The session of a traced step (``traced_step.trace_step``, the one builder).
+
+        Args:
+            step: the traced step (traced whole: a reused stack's template is fake).
+            seed: RNG seed of every run.
+            calibration: see ``create``; a fake step is never calibrated.
+            check_runs_first: see the attribute (None: when it calibrates).
+        """
+        calibrator = Calibrator(calibration) if calibration is not None and not step.joint.fake else None
+        return cls(step.joint, step.stack, step.example_inputs, step.loss_fn, seed, calibrator, check_runs_first)
 
     def check_runs(self) -> None:
         """Run the un-rewritten step once (its gradients become ``reference_grads``),
