@@ -4,9 +4,9 @@
 config file; with weights, or without on the meta device; in a dtype or under
 autocast) and traces it for the target (the CPU, or a CUDA GPU modelled with
 ``cuda_target``), both by the one builder (``traced_step.trace_step``, given
-``WorkloadOptions.step_options``), and adds the static memory (parameters, optimizer states, master
-weights, workspaces) and the device's activation budget. Every check of the input runs
-before anything is traced.
+``WorkloadOptions.step_options``), and adds the static memory (parameters, optimizer
+states, master weights, workspaces) and the device's activation budget. Every check of
+the input runs before anything is traced.
 
 Two ways to analyse the step:
 
@@ -238,7 +238,8 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
     step = trace_step(o.step_options(), log)
     if step.reuse is not None:
         tensors = step.reuse.static_tensors()
-        static = static_memory(tensors, static_options, _other_static(step.reuse.static_bytes(), tensors, static_options))
+        other = _other_static(step.reuse.static_bytes(), tensors, static_options)
+        static = static_memory(tensors, static_options, other)
         return Workload(o, step, None, allocator, static, device_memory, step.description)
     calibration = CalibrationOptions(cache_dir=o.calibration_cache) if o.calibrate else None
     # a step that cannot run gets no peak (it is refused, naming the node), and every
