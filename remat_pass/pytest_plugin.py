@@ -102,17 +102,16 @@ class PeakChecker:
         # to import)
         from .recompute import schedule as schedules
         from .memory.calibration import CalibrationOptions
-        from .models.shipped import build
         from .report.schedule_report import report_json
         from .evaluate.session import Session
+        from .evaluate.traced_step import StepOptions, trace_step
 
         if k is not None:
             warnings.warn("remat_peak: k= is deprecated, use recompute_num_layers=", DeprecationWarning, stacklevel=3)
             recompute_num_layers = k if recompute_num_layers is None else recompute_num_layers
-        if isinstance(model, str):
-            model, example_inputs, loss_fn = build(model, **factory_kwargs)
-        session = Session.create(model, example_inputs, loss_fn, layers=stack,
-                                 calibration=CalibrationOptions() if calibrate else None)
+        step = trace_step(StepOptions(model=model, example_inputs=example_inputs, loss_fn=loss_fn,
+                                      factory_kwargs=factory_kwargs, stack=stack))
+        session = Session.of_step(step, calibration=CalibrationOptions() if calibrate else None)
         sched = schedules.make(schedule, recompute_num_layers, session.stack.layers_per_stack)
         step, report, _ = session.prepare(sched, allocator)
         return report_json(report, step)

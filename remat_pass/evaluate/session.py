@@ -25,7 +25,6 @@ device this machine does not have) is predicted only: its results say so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, ContextManager, Iterable, Sequence
@@ -36,23 +35,25 @@ from ..recompute import schedule as schedules
 from ..memory.calibration import CalibrationOptions, Calibrator
 from ..errors import GradientMismatch, RematError
 from ..graph.costs import bytes_moved
-from ..graph.fake_trace import has_no_data, trace_joint_fake
 from ..liveness.timeline import MemoryReport, analyze
 from ..memory.memory_model import MemoryModel
 from ..measure.run import (
     eager_grads,
     grads_bitwise_equal,
     max_abs_diff,
+    JointRun,
     measure_step,
+    reference_run,
     run_joint,
     run_step,
 )
 from ..recompute.partition import Partition
-from ..graph.regions import LayerStack, assign_layers, find_layer_stacks
+from ..graph.regions import LayerStack
 from ..recompute.rewrite import RewrittenStep, rewrite
 from ..recompute.schedule import Schedule, megatron_schedules
 from .schedule_result import ScheduleResult, predicted_result, report_fields
-from ..graph.trace import JointGraph, trace_joint
+from ..graph.trace import JointGraph, RealLayouts
+from .traced_step import StepOptions, TracedStep, trace_step
 
 __all__ = ["Session", "megatron_schedules", "sweep"]
 
@@ -76,9 +77,14 @@ class Session:
     """A traced step, ready to predict and evaluate many schedules.
 
     The gradient references are computed on first use. Prediction alone (``prepare``:
-    reports, the CI gate, the pytest plugin) runs the un-rewritten step once when it
-    calibrates (the real layout of every value is known from that run, and a step that
-    cannot run is refused), and never without a calibrator or for a fake step.
+    reports, the CI gate, the pytest plugin) runs the un-rewritten step once, before
+    its first rewrite, when ``runs_reference`` (by default: when it calibrates): the
+    real layout of every value is known from that run (``real_layouts``), and a step
+    that cannot run is refused. It never runs for a fake step.
+
+    Every rewrite of a session takes the same layouts (``real_layouts``: the reference
+    run's when ``runs_reference``, else none), whatever ran before: the reference run
+    is cached here, never written into the traced step.
 
     Attributes:
         joint, stack: the traced step and its layer stack.
@@ -87,6 +93,8 @@ class Session:
         seed: RNG seed used for every run (dropout masks).
         calibrator: calibrates the op scratch of every step predicted on the CPU
             (``calibration.Calibrator``); None: the formula table only.
+        check_runs_first: whether the step is run before its first rewrite (True /
+            False); None (default): when it calibrates on the CPU (``runs_reference``).
     """
 
     joint: JointGraph
@@ -95,6 +103,8 @@ class Session:
     loss_fn: Any = None
     seed: int = 0
     calibrator: Calibrator | None = None
+    check_runs_first: bool | None = None
+    _reference: JointRun | None = dataclasses.field(default=None, repr=False)
     _reference_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _eager_param_grads: list[Any] | None = dataclasses.field(default=None, repr=False)
     _none_peak: int | None = dataclasses.field(default=None, repr=False)
@@ -115,7 +125,8 @@ class Session:
         kernels: Callable[[], ContextManager[Any]] | None = None,
     ) -> "Session":
         """Trace the step and find the layer stacks (``layers``: a module path, several,
-        or None to find every stack; see ``regions.find_layer_stacks``).
+        or None to find every stack; see ``regions.find_layer_stacks``), through the
+        one builder (``traced_step.trace_step``).
 
         A model whose parameters, buffers or inputs are meta or fake tensors is traced
         with ``fake_trace.trace_joint_fake`` (predicted only), as is any model when
@@ -133,24 +144,32 @@ class Session:
 
         Raises:
             LayerStackNotFound, UnsupportedGraph, RematError: see trace_joint,
-                trace_joint_fake and assign_layers.
+                trace_joint_fake and assign_layers (``trace_step``).
         """
-        find_layer_stacks(model, layers)  # fail before tracing when there is none
-        if fake or has_no_data(model, example_inputs):
-            with (kernels or contextlib.nullcontext)():
-                joint = trace_joint_fake(model, example_inputs, loss_fn)
-        else:
-            joint = trace_joint(model, example_inputs, loss_fn)
-        stack = assign_layers(joint, layers)
-        calibrator = Calibrator(calibration) if calibration is not None and not joint.fake else None
-        return cls(joint, stack, example_inputs, loss_fn, seed, calibrator)
+        step = trace_step(StepOptions(model=model, example_inputs=example_inputs, loss_fn=loss_fn, stack=layers,
+                                      fake=fake, kernels=kernels))
+        return cls.of_step(step, seed, calibration)
+
+    @classmethod
+    def of_step(cls, step: TracedStep, seed: int = 0,
+                calibration: CalibrationOptions | None = CalibrationOptions(),
+                check_runs_first: bool | None = None) -> "Session":
+        """The session of a traced step (``traced_step.trace_step``, the one builder).
+
+        Args:
+            step: the traced step (traced whole: a reused stack's template is fake).
+            seed: RNG seed of every run.
+            calibration: see ``create``; a fake step is never calibrated.
+            check_runs_first: see the attribute (None: when it calibrates).
+        """
+        calibrator = Calibrator(calibration) if calibration is not None and not step.joint.fake else None
+        return cls(step.joint, step.stack, step.example_inputs, step.loss_fn, seed, calibrator, check_runs_first)
 
     def check_runs(self) -> None:
         """Run the un-rewritten step once (its gradients become ``reference_grads``),
         so that a traced step that cannot run on the real tensors is refused before
-        any peak is predicted for it, and so that the real layout of every value whose
-        traced strides are not the real ones is known (``JointGraph.real_layouts``:
-        rewrites and calibration use it). ``prepare`` calls it first when it calibrates.
+        any peak is predicted for it. ``prepare`` calls it first when
+        ``runs_reference``; a fake step is never run.
 
         Raises:
             UnsupportedGraph: names the node that fails and the op whose real memory
@@ -165,16 +184,40 @@ class Session:
         return self.joint.fake
 
     @property
+    def runs_reference(self) -> bool:
+        """Whether prediction runs the un-rewritten step before its first rewrite and
+        rewrites with its real layouts: ``check_runs_first``, by default when the
+        session calibrates on the CPU; never for a fake step."""
+        if self.predicted_only:
+            return False
+        if self.check_runs_first is not None:
+            return self.check_runs_first
+        return self.calibrator is not None and self._on_cpu()
+
+    @property
+    def real_layouts(self) -> RealLayouts:
+        """The real layouts every rewrite of this session takes: the reference run's
+        (``measure.run.reference_run``, run once on first use) when
+        ``runs_reference``, else none.
+
+        Raises:
+            UnsupportedGraph: the step cannot run on the real tensors.
+        """
+        return self._reference_run_result().layouts if self.runs_reference else RealLayouts()
+
+    def _reference_run_result(self) -> JointRun:
+        """The cached run of the un-rewritten step (seeded with ``seed``)."""
+        if self._reference is None:
+            torch.manual_seed(self.seed)
+            self._reference = reference_run(self.joint)
+        return self._reference
+
+    @property
     def reference_grads(self) -> list[Any]:
         """Gradients of the un-rewritten joint graph, run by the same executor."""
         if self._reference_grads is None:
-            torch.manual_seed(self.seed)
-            layouts: dict[str, Any] = {}
-            self._reference_grads = run_joint(self.joint, layouts)[1]
+            self._reference_grads = self._reference_run_result().grads
             self._reference_is_a_run = True
-            # filled once, before any rewrite that calibrates (``prepare``); set on the
-            # traced step itself, so that every holder of it (a Planner) rewrites with it
-            self.joint.real_layouts = layouts
         return self._reference_grads
 
     @reference_grads.setter
@@ -236,20 +279,18 @@ class Session:
     ) -> tuple[RewrittenStep, MemoryReport, float]:
         """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``.
 
-        ``schedule`` may be a Partition (an op-level policy). The memory model is
-        ``memory_model(step, allocator)``: calibrated on the CPU at the current thread
-        count (the seconds include calibrating new signatures). Calibrating needs the
-        real layout of every value, so the first such call runs the un-rewritten step
-        once (``check_runs``).
+        ``schedule`` may be a Partition (an op-level policy). The rewrite takes
+        ``real_layouts`` (so the first call runs the un-rewritten step once when
+        ``runs_reference``: calibrating needs the real layout of every value). The
+        memory model is ``memory_model(step, allocator)``: calibrated on the CPU at the
+        current thread count (the seconds include calibrating new signatures).
 
         Raises:
-            UnsupportedGraph: (calibrating) the traced step cannot run on the real
-                tensors (``check_runs``).
+            UnsupportedGraph: (``runs_reference``) the traced step cannot run on the
+                real tensors (``check_runs``).
         """
         t0 = time.perf_counter()
-        if self.calibrator is not None and allocator == "cpu" and self._on_cpu():
-            self.check_runs()
-        step = rewrite(self.joint, self.stack, schedule)
+        step = rewrite(self.joint, self.stack, schedule, self.real_layouts)
         report = analyze(step, memory=self.memory_model(step, allocator))
         return step, report, time.perf_counter() - t0
 

@@ -2,10 +2,11 @@
 
 ``load_workload(WorkloadOptions)`` builds the model (a factory, or a ``transformers``
 config file; with weights, or without on the meta device; in a dtype or under
-autocast), traces it for the target (the CPU, or a CUDA GPU modelled with
-``cuda_target``), and adds the static memory (parameters, optimizer states, master
-weights, workspaces) and the device's activation budget. Every check of the input runs
-before anything is traced.
+autocast) and traces it for the target (the CPU, or a CUDA GPU modelled with
+``cuda_target``), both by the one builder (``traced_step.trace_step``, given
+``WorkloadOptions.step_options``), and adds the static memory (parameters, optimizer
+states, master weights, workspaces) and the device's activation budget. Every check of
+the input runs before anything is traced.
 
 Two ways to analyse the step:
 
@@ -20,7 +21,6 @@ Two ways to analyse the step:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -28,34 +28,20 @@ from typing import Any, Callable
 
 from ..recompute import schedule as schedules
 from ..memory.calibration import CalibrationOptions
-from ..models.configs import (
-    ConfigError,
-    ModelSpec,
-    build_factory,
-    build_from_config,
-    check_spec,
-    differing_layer,
-    default_task,
-    describe,
-    fits_in_memory,
-    load_config,
-    parameter_bytes,
-    with_autocast,
-)
-from ..memory.cuda_target import GPUS, CudaAllocatorModel, CudaKernels
-from ..formatting import fmt_bytes, parse_bytes
+from ..models.configs import ConfigError
+from ..memory.cuda_target import GPUS, CudaAllocatorModel
+from ..formatting import parse_bytes
 from ..liveness.layer_reuse import ReusedLayers, ReusedLayersModel
-from ..liveness.layer_roles import TEMPLATE_LAYERS
 from ..liveness.timeline import MemoryReport
 from ..plan.planner import Planner
 from ..recompute.schedule import Schedule
 from ..memory.static_memory import StaticMemory, StaticOptions, activation_budget, static_memory, static_tensors
 from .schedule_result import ScheduleResult, predicted_result
 from .session import Session
+from .traced_step import DEFAULT_MODEL, TARGETS, StepOptions, TracedStep, check_target, trace_step
 from ..graph.trace import JointGraph
 
-TARGETS = ("cpu", "cuda")
-DEFAULT_MODEL = "remat_pass.models:gpt2"
+__all__ = ["DEFAULT_MODEL", "TARGETS", "Workload", "WorkloadOptions", "check_options", "fits", "load_workload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +91,13 @@ class WorkloadOptions:
     trace_all_layers: bool = False
     allocator: str | None = None
 
+    def step_options(self) -> StepOptions:
+        """What to build and trace, for the one builder (``traced_step.trace_step``)."""
+        return StepOptions(model=self.model, config=self.config, task=self.task, dtype=self.dtype,
+                           autocast=self.autocast, batch=self.batch, seq=self.seq, layers=self.layers,
+                           meta=self.meta, target=self.target, gpu=self.gpu, stack=self.stack,
+                           reuse_layers=not self.trace_all_layers, allocator=self.allocator, seed=self.seed)
+
 
 def check_options(o: WorkloadOptions) -> int | None:
     """Every check that needs no model: returns the device memory in bytes (or None).
@@ -114,10 +107,7 @@ def check_options(o: WorkloadOptions) -> int | None:
             a non-fp32 dtype, master weights without an optimizer), or a device memory
             that is not a size.
     """
-    if o.target not in TARGETS:
-        raise ConfigError(f"target {o.target!r} is not one of {', '.join(TARGETS)}")
-    if o.gpu not in GPUS:
-        raise ConfigError(f"gpu {o.gpu!r} is not one of {', '.join(GPUS)}")
+    check_target(o.target, o.gpu)
     StaticOptions(o.optimizer)  # raises ValueError for an unknown optimizer
     if o.autocast is not None and o.dtype not in (None, "float32"):
         raise ConfigError(f"--autocast {o.autocast} keeps fp32 parameters; it contradicts --dtype {o.dtype}")
@@ -147,8 +137,9 @@ class Workload:
 
     Attributes:
         options: what was asked for.
-        session: the whole step traced (None when layers are reused).
-        reuse: the L-layer stack analysed from a template (None when traced whole).
+        step: the traced step (``traced_step.trace_step``; the template's when layers
+            are reused).
+        session: the whole step's Session (None when layers are reused).
         allocator: ``"cpu"`` or ``"cuda"`` (the target's).
         static: the static memory.
         device_memory_bytes: the device's memory (None: not given).
@@ -156,42 +147,47 @@ class Workload:
     """
 
     options: WorkloadOptions
+    step: TracedStep
     session: Session | None
-    reuse: ReusedLayers | None
     allocator: str
     static: StaticMemory
     device_memory_bytes: int | None
     description: str
 
     @property
+    def reuse(self) -> ReusedLayers | None:
+        """The L-layer stack analysed from a template (None when traced whole)."""
+        return self.step.reuse
+
+    @property
     def num_layers(self) -> int:
         """L."""
-        return self.reuse.num_layers if self.reuse is not None else self.session.stack.num_layers
+        return sum(self.layers_per_stack)
 
     @property
     def layers_per_stack(self) -> tuple[int, ...]:
         """L of each layer stack, in chain order (one entry for one stack)."""
-        return (self.reuse.num_layers,) if self.reuse is not None else self.session.stack.layers_per_stack
+        return self.step.layers_per_stack
 
     @property
     def stack_path(self) -> str:
         """The layer stack's module path."""
-        return (self.reuse.stack if self.reuse is not None else self.session.stack).path
+        return self.step.stack.path
 
     @property
     def predicted_only(self) -> bool:
         """Nothing can be run: every figure is predicted."""
-        return self.reuse is not None or self.session.predicted_only
+        return self.step.predicted_only
 
     @property
     def joint(self) -> JointGraph:
         """The traced joint graph (the template's when layers are reused)."""
-        return self.reuse.template if self.reuse is not None else self.session.joint
+        return self.step.joint
 
     def report(self, schedule: Schedule) -> MemoryReport:
         """The predicted MemoryReport of ``schedule`` under the target's allocator."""
-        if self.reuse is not None:
-            return self.reuse.report(schedule)
+        if self.session is None:
+            return self.step.reuse.report(schedule)
         return self.session.report(schedule, self.allocator)
 
     def result(self, schedule: Schedule, none_peak_bytes: int | None = None) -> ScheduleResult:
@@ -217,10 +213,8 @@ class Workload:
 
     def planner(self) -> Planner:
         """The Planner of this step (predicted with the target's allocator)."""
-        if self.reuse is not None:
-            model = ReusedLayersModel.create(self.reuse)
-            return Planner(self.reuse.template, self.reuse.stack, self.reuse.report, model=model)
-        return Planner(self.session.joint, self.session.stack, self.report)
+        model = ReusedLayersModel.create(self.reuse) if self.reuse is not None else None
+        return Planner(self.joint, self.step.stack, self.report, model=model)
 
 
 def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) -> Workload:
@@ -239,63 +233,28 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     device_memory = check_options(o)
     allocator = o.allocator or o.target
-    gpu = GPUS[o.gpu]
-    static_options = StaticOptions(o.optimizer, o.master_weights, allocator, CudaAllocatorModel(gpu))
-    fake = o.meta or o.target == "cuda"
-    kernels: Callable[[], Any] = (lambda: CudaKernels(gpu)) if o.target == "cuda" else contextlib.nullcontext
+    static_options = StaticOptions(o.optimizer, o.master_weights, allocator, CudaAllocatorModel(GPUS[o.gpu]))
     t0 = time.perf_counter()
-    if o.config is not None:
-        config = load_config(o.config)
-        spec = ModelSpec(task=o.task or default_task(config), dtype=o.dtype or "float32", meta=o.meta,
-                         batch=o.batch or 1, seq=o.seq or 128, seed=o.seed, layers=o.layers)
-        check_spec(config, spec)
-        num_layers = spec.layers or config.num_hidden_layers
-        if not spec.meta and not fits_in_memory(parameter_bytes(config, spec)):
-            log(f"the parameters ({fmt_bytes(parameter_bytes(config, spec))}) would not fit in this machine's "
-                "memory: building on the meta device (predicted only)")
-            spec = dataclasses.replace(spec, meta=True)
-            fake = True
-        reusable = (fake and not o.trace_all_layers and num_layers > TEMPLATE_LAYERS
-                    and not getattr(config, "is_encoder_decoder", False) and o.autocast is None)
-        unlike = differing_layer(config, spec) if reusable else None
-        if unlike is not None:
-            log(f"{unlike}: the layers are not all alike, so every one of the {num_layers} layers is traced")
-            reusable = False
-        what = f"{describe(config)}, task {spec.task}, {spec.dtype}, batch {spec.batch}, seq {spec.seq}"
-        if reusable:
-            template_spec = dataclasses.replace(spec, layers=TEMPLATE_LAYERS, meta=True)
-            model, inputs, loss_fn = build_from_config(config, template_spec)
-            log(f"{what}: tracing {TEMPLATE_LAYERS} of its {num_layers} identical layers without weights "
-                f"(target {o.target}) ...")
-            session = Session.create(model, inputs, loss_fn, layers=o.stack, seed=o.seed, fake=True, kernels=kernels)
-            reuse = ReusedLayers(session.joint, session.stack, num_layers, allocator)
-            log(f"traced the template: {len(session.joint.gm.graph.nodes)} joint nodes "
-                f"({time.perf_counter() - t0:.1f}s); the {num_layers}-layer stack is analysed from it")
-            static = static_memory(reuse.static_tensors(), static_options,
-                                   _other_static(reuse.static_bytes(), reuse.static_tensors(), static_options))
-            return Workload(o, None, reuse, allocator, static, device_memory,
-                            f"{what}; {TEMPLATE_LAYERS} layers traced, {num_layers} analysed")
-        model, inputs, loss_fn = build_from_config(config, spec)
-    else:
-        model, inputs, loss_fn = build_factory(o.model, meta=o.meta, dtype=o.dtype, batch=o.batch, seq=o.seq,
-                                               layers=o.layers)
-        what = o.model
-    if o.autocast is not None:
-        model = with_autocast(model, "cpu", o.autocast)
-    log(f"tracing {what} ({'without weights, ' if fake else ''}target {o.target}) ...")
+    step = trace_step(o.step_options(), log)
+    if step.reuse is not None:
+        tensors = step.reuse.static_tensors()
+        other = _other_static(step.reuse.static_bytes(), tensors, static_options)
+        static = static_memory(tensors, static_options, other)
+        return Workload(o, step, None, allocator, static, device_memory, step.description)
     calibration = CalibrationOptions(cache_dir=o.calibration_cache) if o.calibrate else None
-    session = Session.create(model, inputs, loss_fn, layers=o.stack, seed=o.seed, fake=fake, kernels=kernels,
-                             calibration=calibration)
-    session.check_runs()  # a step that cannot run gets no peak (it is refused, naming the node)
+    # a step that cannot run gets no peak (it is refused, naming the node), and every
+    # rewrite takes the real layouts of that run, calibrated or not
+    session = Session.of_step(step, o.seed, calibration, check_runs_first=True)
+    session.check_runs()
     stack = session.stack
     stacks = (f"layer stack {stack.path!r} with L={stack.num_layers}" if len(stack.stacks) == 1 else
               f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}")
-    log(f"traced {type(model).__name__}: {len(session.joint.gm.graph.nodes)} joint nodes, {stacks} "
+    log(f"traced {type(step.model).__name__}: {len(step.joint.gm.graph.nodes)} joint nodes, {stacks} "
         f"({time.perf_counter() - t0:.1f}s)")
-    tensors = static_tensors(session.joint.primal_values, session.joint.primal_kinds)
-    step_static = session.report(schedules.none(session.stack.layers_per_stack), allocator).static_bytes
+    tensors = static_tensors(step.joint.primal_values, step.joint.primal_kinds)
+    step_static = session.report(schedules.none(stack.layers_per_stack), allocator).static_bytes
     static = static_memory(tensors, static_options, _other_static(step_static, tensors, static_options))
-    return Workload(o, session, None, allocator, static, device_memory, what)
+    return Workload(o, step, session, allocator, static, device_memory, step.description)
 
 
 def _other_static(step_static_bytes: int, tensors: Any, options: StaticOptions) -> int:

@@ -30,7 +30,8 @@ Python branch on a tensor) fails as it does in a real trace, with the op named.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -40,7 +41,7 @@ from torch.utils._mode_utils import no_dispatch
 from ..errors import RematError, UnsupportedGraph
 from .flat_step import LossFn, flatten_step
 from .shape_symbols import dynamic_dims, symbolic_context
-from .trace import JointGraph, capture_joint, joint_graph
+from .trace import JointGraph, capture_joint, joint_graph, trace_joint
 
 
 class FakeConverter:
@@ -222,3 +223,38 @@ def has_no_data(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
         args = []
     tensors = [*model.parameters(), *model.buffers(), *(a for a in args if isinstance(a, torch.Tensor))]
     return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
+
+
+def trace_model(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    fake: bool = False,
+    kernels: Callable[[], ContextManager[Any]] | None = None,
+    output: str = "loss",
+) -> JointGraph:
+    """The one choice between a real and a fake trace of a step.
+
+    A model whose parameters, buffers or inputs are meta or fake tensors
+    (``has_no_data``), or any model when ``fake``, is traced by ``trace_joint_fake``
+    (on the CPU, under ``kernels``: ``cuda_target.CudaKernels`` models a GPU); any
+    other by ``trace.trace_joint`` (``kernels`` unused).
+
+    Args:
+        model, example_inputs, loss_fn: as ``trace.trace_joint``.
+        fake: trace with fake tensors even if the model has weights.
+        kernels: a context manager factory active while a fake step is traced.
+        output: ``"loss"`` or ``"activation"`` (a pipeline stage; a real trace only).
+
+    Raises:
+        UnsupportedGraph, RematError, ValueError: as ``trace_joint`` and
+            ``trace_joint_fake``.
+        ValueError: ``output="activation"`` for a fake trace.
+    """
+    if fake or has_no_data(model, example_inputs):
+        if output != "loss":
+            raise ValueError(f"output={output!r}: a pipeline stage is traced with its weights (real tensors)")
+        with (kernels or contextlib.nullcontext)():
+            return trace_joint_fake(model, example_inputs, loss_fn)
+    return trace_joint(model, example_inputs, loss_fn, output=output)

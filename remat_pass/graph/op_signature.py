@@ -23,7 +23,7 @@ kernels disagree on an output's strides (``native_dropout_backward`` returns its
 input's layout, its meta function a contiguous one), and the kernels that read such a
 value copy it or not depending on the real layout. The un-rewritten step's reference
 run records every value whose real layout differs from the traced one
-(``measure.run_graph``, ``JointGraph.real_layouts``); the rewrite puts it on the nodes
+(``measure.run.reference_run``: ``trace.RealLayouts``); the rewrite puts it on the nodes
 of the rewritten graphs (``node.meta[REAL_LAYOUT]``), and the signature, and the
 calibration run that rebuilds the arguments, use it.
 

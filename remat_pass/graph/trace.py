@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+import types
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,44 @@ from .shape_symbols import named_symbols, symbolic_trace_values
 from .untraceable import explain_untraceable, quiet_fake_tensor_log
 
 
-@dataclasses.dataclass
+class RealLayouts(Mapping[str, RealLayout]):
+    """Joint node name -> the ``op_signature.RealLayout`` its value really has, from
+    one run of the un-rewritten step (``measure.run.reference_run``): the values whose
+    real strides, storage offset or storage bytes differ from the traced FakeTensor's
+    (an op whose meta function and kernel disagree), and the values of the arguments an
+    op's memory depends on (``op_signature.VALUE_ARGUMENTS``). A frozen value: a
+    rewrite given it (``rewrite.rewrite(..., layouts)``) puts each layout on the nodes
+    holding that value, where the memory model and calibration read it. Empty
+    (``RealLayouts()``): no run, the traced layouts stand.
+
+    Example:
+        >>> layouts = RealLayouts({"mm": RealLayout((4, 1), 0, 64)})
+        >>> layouts["mm"].stride, len(RealLayouts()), layouts == RealLayouts(dict(layouts))
+        ((4, 1), 0, True)
+    """
+
+    __slots__ = ("_layouts",)
+
+    def __init__(self, layouts: Mapping[str, RealLayout] | None = None):
+        object.__setattr__(self, "_layouts", types.MappingProxyType(dict(layouts or {})))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("RealLayouts is frozen")
+
+    def __getitem__(self, name: str) -> RealLayout:
+        return self._layouts[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layouts)
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def __repr__(self) -> str:
+        return f"RealLayouts({dict(self._layouts)!r})"
+
+
+@dataclasses.dataclass(frozen=True)
 class JointGraph:
     """One training step as a joint forward+backward fx graph.
 
@@ -72,13 +110,10 @@ class JointGraph:
             weights: built on the meta device, under FakeTensorMode or from a config).
             The step can be rewritten and analysed, never run: every figure is
             predicted only.
-        real_layouts: joint node name -> the ``op_signature.RealLayout`` its value
-            really has on CPU, for the values whose real strides, storage offset or
-            storage bytes differ from the traced FakeTensor's (an op whose meta function
-            and kernel disagree), and with the values of the arguments an op's memory
-            depends on (``op_signature.VALUE_ARGUMENTS``); filled from a run of the step
-            (``sweep.Session.check_runs``), empty until then. The rewrite puts them on
-            its nodes, and calibration uses them.
+
+    A frozen value: nothing assigns to its fields after construction. What a run of
+    the step shows (the real layouts of its values) is a value of its own
+    (``RealLayouts``, from ``measure.run.reference_run``), passed to the rewrite.
     """
 
     gm: fx.GraphModule
@@ -94,7 +129,6 @@ class JointGraph:
     shape_env: Any = None
     fake: bool = False
     output: str = "loss"
-    real_layouts: dict[str, RealLayout] = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:

@@ -35,11 +35,10 @@ from ..errors import UnsupportedGraph
 from ..graph.flat_step import _split_inputs, extract_loss
 from ..graph.op_signature import RealLayout, op_call, value_argument
 from ..recompute.rewrite import RewrittenStep
-from ..graph.trace import JointGraph
+from ..graph.trace import JointGraph, RealLayouts
 
 
-@torch.no_grad()
-def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout] | None = None) -> list[Any]:
+def run_graph(gm: fx.GraphModule, args: list[Any]) -> list[Any]:
     """Run ``gm`` node by node under ``no_grad``, freeing each value after its last use.
 
     Args:
@@ -47,14 +46,25 @@ def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout
         args: one value per placeholder; the list is emptied so that the graph, not the
             caller, decides when an argument dies. Keep no other reference to the values
             if their memory should be released.
-        layouts: when given, filled with the RealLayout of every call_function node
-            whose real tensor value differs in strides, storage offset or storage bytes
-            from its traced FakeTensor (``node.meta["val"]``), by node name, and with the
-            values (``RealLayout.values``) of every node that is the argument of an op in
-            ``op_signature.VALUE_ARGUMENTS``.
 
     Returns:
         The output node's values as a flat list.
+
+    Raises:
+        UnsupportedGraph: an op fails on the real tensors (see ``run_graph_recorded``).
+    """
+    return _run_graph(gm, args, None)
+
+
+def run_graph_recorded(gm: fx.GraphModule, args: list[Any]) -> tuple[list[Any], RealLayouts]:
+    """``run_graph``, and the ``RealLayouts`` the run shows: the RealLayout of every
+    call_function node whose real tensor value differs in strides, storage offset or
+    storage bytes from its traced FakeTensor (``node.meta["val"]``), by node name, and
+    the values (``RealLayout.values``) of every node that is the argument of an op in
+    ``op_signature.VALUE_ARGUMENTS``.
+
+    Returns:
+        ``(the output node's values as a flat list, the real layouts)``.
 
     Raises:
         UnsupportedGraph: an op of the graph fails on the real tensors (e.g. a ``view``
@@ -62,6 +72,14 @@ def run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout
             meta function and its kernel disagree on the output's layout); names the
             node and the first node whose real strides differed from the traced ones.
     """
+    layouts: dict[str, RealLayout] = {}
+    return _run_graph(gm, args, layouts), RealLayouts(layouts)
+
+
+@torch.no_grad()
+def _run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayout] | None) -> list[Any]:
+    """The one executor of ``run_graph`` and ``run_graph_recorded`` (``layouts``: None,
+    or the dict the run's real layouts are recorded in)."""
     nodes = list(gm.graph.nodes)
     last_user: dict[fx.Node, fx.Node] = {}
     for n in reversed(nodes):
@@ -177,13 +195,40 @@ def run_step(step: RewrittenStep, joint: JointGraph) -> tuple[list[Any], list[An
     return outputs, grads
 
 
-def run_joint(joint: JointGraph, layouts: dict[str, RealLayout] | None = None) -> tuple[list[Any], list[Any]]:
-    """The un-rewritten joint graph, run by the same executor: ``(fwd_outputs, grads)``.
-
-    ``layouts``: filled with the real layout of every value that differs from the
-    traced one (see ``run_graph``)."""
-    out = run_graph(joint.gm, [*joint.primal_values, *joint.tangent_values], layouts)
+def run_joint(joint: JointGraph) -> tuple[list[Any], list[Any]]:
+    """The un-rewritten joint graph, run by the same executor: ``(fwd_outputs, grads)``
+    (raises as ``run_graph``)."""
+    out = run_graph(joint.gm, [*joint.primal_values, *joint.tangent_values])
     return out[: joint.num_fwd_outputs], out[joint.num_fwd_outputs :]
+
+
+@dataclasses.dataclass(frozen=True)
+class JointRun:
+    """One run of the un-rewritten joint graph (``reference_run``).
+
+    Attributes:
+        outputs: the forward outputs (the loss: a list of one).
+        grads: one gradient per primal (None where none).
+        layouts: the real layouts of the values that differ from the traced ones, and
+            the values an op's memory depends on (``RealLayouts``); what a rewrite of
+            the same step takes to carry them (``rewrite.rewrite(..., layouts)``).
+    """
+
+    outputs: list[Any]
+    grads: list[Any]
+    layouts: RealLayouts
+
+
+def reference_run(joint: JointGraph) -> JointRun:
+    """Run the un-rewritten joint graph once, as ``run_joint`` does (seed the RNG
+    first), and return what it showed as a value: outputs, gradients, real layouts.
+
+    Raises:
+        UnsupportedGraph: an op fails on the real tensors; names the node and the first
+            value whose real layout differed from the traced one (``run_graph``).
+    """
+    out, layouts = run_graph_recorded(joint.gm, [*joint.primal_values, *joint.tangent_values])
+    return JointRun(out[: joint.num_fwd_outputs], out[joint.num_fwd_outputs :], layouts)
 
 
 def eager_grads(

@@ -27,9 +27,9 @@ from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, text_table
 from .fsdp import FsdpPrediction, predict_fsdp
 from .ranks import ParallelConfig, RankPrediction, fake_process_group, microbatches, predict_rank, trace_rank
-from ..graph.regions import assign_layers, find_layer_stack
+from ..graph.regions import find_layer_stack
 from ..recompute.rewrite import rewrite
-from ..graph.trace import trace_joint
+from ..evaluate.traced_step import StepOptions, trace_step
 
 
 def stage_schedules(num_layers: int) -> list[tuple[str, int | None]]:
@@ -94,8 +94,8 @@ def predict_fsdp_config(model: nn.Module, inputs: Any, config: ParallelConfig,
     """
     local = microbatches(inputs, config.fsdp)[0]
     stack_path, _ = find_layer_stack(model)
-    joint = trace_joint(model, local, None)
-    stack = assign_layers(joint, stack_path)
+    traced = trace_step(StepOptions(model=model, example_inputs=local, stack=stack_path))
+    joint, stack = traced.joint, traced.stack
     out = []
     for method, k in (list(settings) if settings is not None else stage_schedules(stack.num_layers)):
         sched = schedules.make(method, k, stack.num_layers)

@@ -8,7 +8,8 @@ size) is validated against the model; ``trace_rank`` builds rank r's pipeline st
 loss on the last), applies the model's tensor-parallel plan
 (``torch.distributed.tensor.parallel.parallelize_module``, torchtitan's recipe) over
 the rank's tensor-parallel group and traces each stage with its real boundary
-(``trace_joint(..., output="activation")``): local shapes, functional collectives.
+(``trace_joint(..., output="activation")``, through the one builder of a traced step,
+``evaluate.traced_step.trace_step``): local shapes, functional collectives.
 
 Ranks are ordered with tensor parallelism innermost: rank = pp_index * tp + tp_index
 (Megatron-LM's default order). Tracing needs a process group of the full world: the
@@ -42,9 +43,10 @@ from .pipeline_schedule import (
     stage_layers,
     validate_schedule,
 )
-from ..graph.regions import LayerStack, assign_layers, find_layer_stack
+from ..graph.regions import LayerStack, find_layer_stack
 from ..recompute.rewrite import rewrite
-from ..graph.trace import JointGraph, trace_joint
+from ..graph.trace import JointGraph
+from ..evaluate.traced_step import StepOptions, trace_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +354,10 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
             shape = (mb[0].shape[0], seq, model.pipeline_layout.hidden)
             dtype = next(model.parameters()).dtype
             x = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(s)).to(device).requires_grad_()
-        joint = trace_joint(module, stage_inputs(first, last, mb, x), None,
-                            output="loss" if last else "activation")
-        stack = assign_layers(joint, model.pipeline_layout.stack if hasattr(model, "pipeline_layout") else None)
-        out.append(StageGraph(s, first, last, module, joint, stack, names, shape))
+        traced = trace_step(StepOptions(
+            model=module, example_inputs=stage_inputs(first, last, mb, x), output="loss" if last else "activation",
+            stack=model.pipeline_layout.stack if hasattr(model, "pipeline_layout") else None))
+        out.append(StageGraph(s, first, last, module, traced.joint, traced.stack, names, shape))
     return out
 
 

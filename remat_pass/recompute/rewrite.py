@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -26,11 +26,11 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from ..graph.costs import RNG_STATE_BYTES, is_mutating, is_random
 from ..errors import InvalidSchedule, UnsupportedGraph
-from ..graph.op_signature import REAL_LAYOUT
+from ..graph.op_signature import REAL_LAYOUT, RealLayout
 from .partition import Partition, Segment, partition
 from ..graph.regions import LayerStack
 from .schedule import Schedule
-from ..graph.trace import JointGraph
+from ..graph.trace import JointGraph, RealLayouts
 
 
 @dataclasses.dataclass
@@ -154,7 +154,8 @@ def _check(joint: JointGraph, stack: LayerStack, p: Partition) -> None:
                     "neither saved nor recomputed before it: the rewrite would change gradients")
 
 
-def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule) -> RewrittenStep:
+def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule,
+            layouts: Mapping[str, RealLayout] = RealLayouts()) -> RewrittenStep:
     """Build the forward and backward graphs that apply ``decision``.
 
     Args:
@@ -162,6 +163,11 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
         stack: the layer stack: the forward nodes and the layer of every joint node
             (``assign_layers``).
         decision: a Partition, or a Schedule (partitioned with ``partition.partition``).
+        layouts: the real layouts a run of the step showed (``trace.RealLayouts``,
+            from ``measure.run.reference_run``); each is put on every node holding
+            that joint node's value (``node.meta[op_signature.REAL_LAYOUT]``), where
+            op signatures, the memory model and calibration read it. Default: none
+            (the traced layouts). The result depends on the arguments alone.
 
     Returns:
         The RewrittenStep. Its gradients equal the joint graph's bit for bit (same ops on
@@ -176,14 +182,14 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
     """
     p = decision if isinstance(decision, Partition) else partition(joint, stack, decision)
     _check(joint, stack, p)
-    return _Builder(joint, stack, p).build()
+    return _Builder(joint, stack, p, layouts).build()
 
 
 class _Builder:
     """Copies the joint graph's nodes into the forward and backward graphs."""
 
-    def __init__(self, joint: JointGraph, stack: LayerStack, p: Partition):
-        self.joint, self.p = joint, p
+    def __init__(self, joint: JointGraph, stack: LayerStack, p: Partition, layouts: Mapping[str, RealLayout]):
+        self.joint, self.p, self.layouts = joint, p, layouts
         self.nodes = list(joint.gm.graph.nodes)
         self.by_name = {n.name: n for n in self.nodes}
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -198,7 +204,7 @@ class _Builder:
     def _real_layout(self, new: fx.Node, source: fx.Node) -> None:
         """Put the real layout the step's run recorded for joint node ``source`` (if it
         differs from the traced one) on ``new``, the node holding the same value."""
-        layout = self.joint.real_layouts.get(source.name)
+        layout = self.layouts.get(source.name)
         if layout is not None:
             new.meta[REAL_LAYOUT] = layout
 

@@ -219,3 +219,36 @@ def test_symbolic_fake_trace_equals_the_real_one():
     for sched in schedules.distinct_megatron_schedules(2):
         assert sym_fake.peak(sched) == sym_real.peak(sched)
         assert sym_fake.peak_at(sched, batch=8, seq=48) == sym_real.peak_at(sched, batch=8, seq=48)
+
+
+def test_trace_model_is_the_one_choice_of_real_or_fake():
+    """``fake_trace.trace_model`` traces a model with weights for real, one on the meta
+    device (or any, with ``fake=True``) with fake tensors under the given kernels, node
+    for node the same graph; a pipeline stage (``output="activation"``) is traced with
+    its weights only."""
+    from remat_pass.graph.fake_trace import trace_model
+
+    entered = []
+
+    class Kernels:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    def chain():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    torch.manual_seed(0)
+    real = trace_model(chain(), (torch.randn(3, 4),), lambda y: y.sum(), kernels=Kernels)
+    assert not real.fake and not entered
+    with torch.device("meta"):
+        meta_model = chain()
+    meta = trace_model(meta_model, (torch.empty(3, 4, device="meta"),), lambda y: y.sum(), kernels=Kernels)
+    fake = trace_model(chain(), (torch.randn(3, 4),), lambda y: y.sum(), fake=True)
+    assert meta.fake and fake.fake and entered == [True]
+    assert node_signature(meta.gm) == node_signature(fake.gm)
+    assert [n.target for n in real.gm.graph.nodes] == [n.target for n in meta.gm.graph.nodes]
+    with pytest.raises(ValueError, match="pipeline stage"):
+        trace_model(chain(), (torch.randn(3, 4),), lambda y: y.sum(), fake=True, output="activation")

@@ -133,3 +133,60 @@ def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():
     for n in grouped(fake_step.forward) + grouped(fake_step.backward):
         m = fake_memory.node_memory(n)
         assert m.source != "calibrated" and "router" in m.detail, (n.name, m)
+
+
+def _node_metadata(step) -> list[tuple]:
+    """Every node of a rewritten step with its metadata: name, op, target, meta keys,
+    recorded real layout, and the traced value's shape, strides and dtype."""
+    from remat_pass.graph.op_signature import REAL_LAYOUT
+
+    def val(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), tuple(v.stride()), v.dtype
+        return tuple(val(x) for x in v) if isinstance(v, (tuple, list)) else repr(v)
+
+    return [(n.name, n.op, str(n.target), tuple(sorted(n.meta)), n.meta.get(REAL_LAYOUT), val(n.meta.get("val")))
+            for gm in (step.forward, step.backward) for n in gm.graph.nodes]
+
+
+def test_a_reference_run_does_not_change_the_rewrite():
+    """``rewrite(joint, stack, s)`` is a function of its arguments: a run of the step
+    (the session's reference run, which records the real layouts) leaves the traced
+    step as it was, so the rewrite gives the same node metadata before and after it
+    with the same layouts argument; the layouts reach the nodes only as that argument.
+    Before, the run wrote them into the JointGraph and the second rewrite differed."""
+    import dataclasses
+
+    from remat_pass.recompute.rewrite import rewrite
+
+    session = conv_session(dropout_first=True, shared=False)
+    sched = schedules.none(session.stack.layers_per_stack)
+    before = _node_metadata(rewrite(session.joint, session.stack, sched))
+    layouts = session.real_layouts  # runs the un-rewritten step
+    assert layouts and all(n in {m.name for m in session.joint.gm.graph.nodes} for n in layouts)
+    session.evaluate(sched)
+    assert _node_metadata(rewrite(session.joint, session.stack, sched)) == before
+    given = _node_metadata(rewrite(session.joint, session.stack, sched, layouts))
+    assert given != before  # the argument is what carries them
+    assert _node_metadata(rewrite(session.joint, session.stack, sched, session.real_layouts)) == given
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        session.joint.fake = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("calibrate", [True, False], ids=["calibrated", "table_only"])
+def test_every_rewrite_of_a_session_takes_the_same_layouts(calibrate):
+    """A session rewrites every schedule with the same layouts whatever ran before:
+    the reference run's when it calibrates, none without a calibrator (before, an
+    uncalibrated session's first rewrite had none and every rewrite after its first
+    ``evaluate`` had the reference run's)."""
+    from remat_pass.memory.calibration import CalibrationOptions
+
+    torch.manual_seed(0)
+    model = ConvStack(8, 3, dropout_first=True, shared=False)
+    session = Session.create(model, (torch.randn(1, 3, 8),), lambda y: (y * y).sum(),
+                             calibration=CalibrationOptions() if calibrate else None)
+    sched = schedules.uniform(1, session.stack.layers_per_stack)
+    first = _node_metadata(session.prepare(sched)[0])
+    session.evaluate(schedules.none(session.stack.layers_per_stack))
+    assert _node_metadata(session.prepare(sched)[0]) == first
+    assert bool(session.real_layouts) == calibrate
