@@ -317,7 +317,7 @@ class RematBackend:
             sched = self._scheduler.optimized(joint_graph, stack, info.graph_id, info.frame_id, info.partial,
                                               g.allocator, self.reports)
         else:
-            sched = self.options.make_schedule(stack.num_layers)
+            sched = self.options.make_schedule(stack.layers_per_stack if stack.stack_spans else stack.num_layers)
         step = rewrite(joint_graph, stack, sched)
         fw, bw = aot_graphs(step, mutations)
         for gm in (fw, bw):  # the layer of every node, for Inductor's fusion choices
