@@ -109,7 +109,7 @@ def test_heterogeneous_layers_are_refused():
 
 
 def gpt2(layers: int):
-    from conftest import small_gpt2
+    from small_models import small_gpt2
 
     return small_gpt2(layers=layers, dropout=0.1)
 
