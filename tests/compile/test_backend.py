@@ -21,6 +21,7 @@ from remat_pass.compile.backend import (
 )
 from remat_pass.compile.graph import GraphBreakWarning
 from remat_pass.errors import InvalidSchedule
+from remat_pass.graph.module_paths import recorded_paths
 from remat_pass.report.inspection import load_dump
 from remat_pass.models import TinyGPT
 from remat_pass.evaluate.session import Session
@@ -463,3 +464,13 @@ def test_t5_is_planned_on_both_stacks():
     assert r.layers == (0, 1, 2, 3)  # encoder layers 0-1, decoder layers 2-3
     assert r.schedule == "uniform(K=1)"
     assert sorted(s.layers for s in r.step.segments) == [(0,), (1,), (2,), (3,)]
+    # every forward and backward node recorded under a block is in the stack: none outer
+    seen: dict[str, set] = {"encoder": set(), "decoder": set()}
+    for gm in (r.step.forward, r.step.backward):
+        for n in gm.graph.nodes:
+            recorded = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
+            paths = [p for p, _ in recorded_paths(recorded)]
+            for part, layers in seen.items():
+                if any(p.startswith(part + ".block.") for p in paths):
+                    layers.add(r.step.layer_of.get(n.name))
+    assert seen == {"encoder": {0, 1}, "decoder": {2, 3}}
