@@ -11,11 +11,11 @@ For every graph Dynamo hands over:
    ``aot_module_simplified``) traces the joint forward+backward graph and calls this
    module's partition function instead of its own (``default_partition`` /
    ``min_cut_rematerialization_partition``).
-2. The partition finds the layer stack from the module paths Dynamo recorded on the
+2. The partition finds the layer stacks from the module paths Dynamo recorded on the
    nodes (``nn_module_stack``; AOTAutograd copies the forward node's onto its backward
    nodes as ``fwd_nn_module_stack``), gives every node its layer
-   (``regions.assign_layers_to_graph``), builds the Schedule for the layers of the
-   stack (``optimized``: ``planner.Planner`` under ``budget_bytes``) and rewrites
+   (``regions.assign_layers_in_graph``), builds the Schedule for the layers of the
+   stacks (``optimized``: ``planner.Planner`` under ``budget_bytes``) and rewrites
    (``rewrite.rewrite``). ``liveness.analyze`` predicts the graph's peak; the report is
    kept in ``RematBackend.reports``.
 3. The forward and backward graphs are handed back in AOTAutograd's calling
@@ -317,7 +317,7 @@ class RematBackend:
             sched = self._scheduler.optimized(joint_graph, stack, info.graph_id, info.frame_id, info.partial,
                                               g.allocator, self.reports)
         else:
-            sched = self.options.make_schedule(stack.num_layers)
+            sched = self.options.make_schedule(stack.layers_per_stack if stack.stack_spans else stack.num_layers)
         step = rewrite(joint_graph, stack, sched)
         fw, bw = aot_graphs(step, mutations)
         for gm in (fw, bw):  # the layer of every node, for Inductor's fusion choices

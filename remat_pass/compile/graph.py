@@ -22,9 +22,8 @@ from .graph_schedule import GraphScheduler
 from .graph_transforms import boundary_bytes, concrete_step, size_hint
 from ..report.inspection import dump_step
 from ..liveness.timeline import analyze
-from ..graph.module_paths import find_layer_stack_in_graph
 from ..recompute.partition import Partition
-from ..graph.regions import LayerStack, assign_layers_to_graph, forward_node_names
+from ..graph.regions import LayerStack, assign_layers_in_graph, forward_node_names
 from ..recompute.rewrite import RewrittenStep
 from ..liveness.step_flow import GraphLiveness
 from .step_recorder import RecordedGraph
@@ -150,25 +149,18 @@ def graph_layer_stack(joint: JointGraph, info: CompileInfo, options: BackendOpti
     stack = _find_layer_stack(joint.gm, joint.num_fwd_outputs, info.graph_id, options, reports)
     k = options.recompute_num_layers
     if info.partial and stack.num_layers and k and options.schedule in ("uniform", "block"):
-        total = max(stack.num_layers, k)
-        stack = dataclasses.replace(stack, child_names=tuple(str(i) for i in range(total)), num_layers=total)
+        stack = stack.widened(k)
     return stack
 
 
 def _find_layer_stack(joint: fx.GraphModule, num_fwd_outputs: int, graph_id: str, options: BackendOptions,
                       reports: Sequence[GraphReport]) -> LayerStack:
-    # after a break, a graph may hold a single layer of the stack an earlier graph
-    # found (one child is not enough for the search): look for that path first
+    # after a break, a graph may hold a single layer of the stacks an earlier graph
+    # found (one child is not enough for the search): those are looked for first
     earlier = [r.layer_stack for r in reports if r.layer_stack]
     try:
-        if options.layers is None and earlier:
-            try:
-                path, children = find_layer_stack_in_graph(joint, earlier[-1])
-                return assign_layers_to_graph(joint, num_fwd_outputs, path, children)
-            except LayerStackNotFound:
-                pass
-        path, children = find_layer_stack_in_graph(joint, options.layers)
-        return assign_layers_to_graph(joint, num_fwd_outputs, path, children)
+        return assign_layers_in_graph(joint, num_fwd_outputs, options.layers,
+                                      known=earlier[-1].split(", ") if earlier else ())
     except LayerStackNotFound as e:
         # a graph outside the stack (the loss after a graph break) is expected once
         # another graph holds the stack; warn only while no graph has held it

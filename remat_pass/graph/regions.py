@@ -3,7 +3,8 @@
 A layer stack is a repeated block list (GPT-2's ``transformer.h``): an ``nn.ModuleList``
 / ``nn.Sequential`` whose children all have one class. A model may have several (T5's
 ``encoder.block`` and ``decoder.block``, any encoder-decoder): every such container that
-the step calls and that sits inside no layer of another is a stack. Their layers form
+the step calls and that sits inside no layer of another is a stack (``stacks_among``: one
+rule, for a module's containers and for the module paths a Dynamo graph records). Their layers form
 one chain, numbered 0..L-1 stack after stack in the order the forward first runs them
 (T5: encoder layers 0..5, decoder layers 6..11); ``LayerStack.stacks`` says where each
 stack's layers are. A node belongs to layer i when the module path recorded on it
@@ -14,15 +15,16 @@ final norms, head, loss.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from .costs import is_random
 from ..errors import LayerStackNotFound
-from .module_paths import recorded_paths
+from .forward_nodes import forward_node_names, input_closure, layers_of_unrecorded  # input_closure: re-exported
+from .module_paths import recorded_children, recorded_paths
 from .trace import JointGraph
 
 
@@ -105,6 +107,24 @@ class LayerStack:
         return ", ".join(f"{s.path!r} (layers {s.first_layer}-{s.first_layer + s.num_layers - 1})"
                          for s in self.stacks)
 
+    def widened(self, num_layers: int) -> "LayerStack":
+        """This stack continued past the graph to at least ``num_layers`` layers in its
+        last stack (after a graph break the stack may go on in another graph, so a K or
+        N above the layers seen here is valid): the last stack's children run on as
+        integer names (``"3"``, ``"4"``, ...; layers no node lies in).
+
+        Example:
+            >>> s = LayerStack("h", ("0", "1"), 2, {}, ())
+            >>> s.widened(4).child_names, s.widened(1) == s
+            (('0', '1', '2', '3'), True)
+        """
+        last = self.stacks[-1]
+        extra = tuple(str(i) for i in range(last.num_layers, num_layers))
+        spans = self.stack_spans and self.stack_spans[:-1] + (
+            dataclasses.replace(last, child_names=last.child_names + extra),)
+        return dataclasses.replace(self, child_names=self.child_names + extra, num_layers=self.num_layers + len(extra),
+                                   stack_spans=spans) if extra else self
+
     def nodes_of_layer(self, layer: int) -> list[str]:
         """Names of the forward and backward nodes of ``layer``, in graph order."""
         return [n for n, i in self.layer_of.items() if i == layer]
@@ -116,18 +136,14 @@ def find_layer_stack(model: torch.nn.Module, layers: str | None = None) -> tuple
 
     Args:
         model: the module.
-        layers: module path of the stack (``"transformer.h"``); None to search for the
-            longest ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one
-            class (ties: the first in ``named_modules`` order), leaving out containers
-            that sit inside a layer of another such container (MoE experts).
+        layers: module path of the stack (``"transformer.h"``); None to search (the
+            rule of ``find_layer_stacks``; ties: the first in ``named_modules`` order).
 
     Returns:
         ``(path, child_names)``.
 
     Raises:
-        LayerStackNotFound: ``layers`` names no ModuleList/Sequential of the model, no
-            such container with two or more same-class children exists, or one module
-            instance sits at two positions of a container.
+        LayerStackNotFound: as ``find_layer_stacks``.
     """
     if layers is not None:
         return find_layer_stacks(model, layers)[0]
@@ -139,13 +155,14 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
                       ) -> list[tuple[str, list[str]]]:
     """Every layer stack of ``model``: module paths and child names.
 
+    The containers are the model's ``nn.ModuleList`` / ``nn.Sequential`` modules; the
+    stacks among them follow the one rule of ``stacks_among`` (also that of a Dynamo
+    graph, ``find_layer_stacks_in_graph``).
+
     Args:
         model: the module.
         layers: the module path of a stack (``"transformer.h"``), several paths
-            (``["encoder.block", "decoder.block"]``), or None to search: every
-            ``nn.ModuleList`` / ``nn.Sequential`` of two or more children of one class
-            that sits inside no layer of another such container (MoE experts and
-            attention heads belong to their layer).
+            (``["encoder.block", "decoder.block"]``), or None to search.
 
     Returns:
         ``[(path, child_names), ...]`` in ``named_modules`` order (named: in the order
@@ -167,12 +184,7 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
         return _named_stacks(model, containers, [layers] if isinstance(layers, str) else list(layers))
     for name, mod in containers.items():
         _refuse_shared_children(name, mod)
-    candidates = {
-        name: [n for n, _ in mod.named_children()]
-        for name, mod in containers.items()
-        if len(list(mod.children())) >= 2 and len({type(c) for c in mod.children()}) == 1
-    }
-    found = [(name, kids) for name, kids in candidates.items() if _inside_layer_of(name, candidates) is None]
+    found = stacks_among({name: {n: type(c) for n, c in mod.named_children()} for name, mod in containers.items()})
     if not found:
         raise LayerStackNotFound(
             f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList or "
@@ -184,6 +196,93 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
     return found
 
 
+def stacks_among(containers: Mapping[str, Mapping[str, object]]) -> list[tuple[str, list[str]]]:
+    """The layer stacks among ``containers``: the one rule of a layer stack, for a
+    module (``find_layer_stacks``) and for a Dynamo graph (``find_layer_stacks_in_graph``).
+
+    A stack is a container of two or more children of one kind (class) that lies inside
+    no layer of another such container (MoE experts and attention heads belong to their
+    layer); a model may have several (T5's ``encoder.block`` and ``decoder.block``).
+
+    Args:
+        containers: module path -> {child name: the child's kind}, in the order found.
+
+    Returns:
+        ``[(path, child_names), ...]`` in the order of ``containers``; empty when none.
+
+    Example:
+        >>> stacks_among({"h": {"0": "Block", "1": "Block"}, "h.0.experts": {"0": "E", "1": "E"},
+        ...               "h.0.mix": {"0": "A", "1": "B"}})
+        [('h', ['0', '1'])]
+    """
+    candidates = {
+        path: list(kids) for path, kids in containers.items()
+        if len(kids) >= 2 and len(set(kids.values())) == 1
+    }
+    return [(path, kids) for path, kids in candidates.items() if _inside_layer_of(path, candidates) is None]
+
+
+def find_layer_stacks_in_graph(gm: fx.GraphModule, layers: str | Sequence[str] | None = None
+                               ) -> list[tuple[str, list[str]]]:
+    """Every layer stack of a graph whose nodes record module paths, without the module
+    (a graph Dynamo captured: the torch.compile backend sees no ``nn.Module``).
+
+    The containers are the recorded module paths (``nn_module_stack`` /
+    ``fwd_nn_module_stack``, normalized by ``module_paths.normalize_module_path``) whose
+    recorded children are all integer-named (what an ``nn.ModuleList`` or
+    ``nn.Sequential`` of blocks records: a graph does not show a container's class),
+    each child's kind its recorded type; the stacks among them follow the rule of
+    ``stacks_among``, as for a module.
+
+    Args:
+        gm: the graph (Dynamo's, or AOTAutograd's joint graph).
+        layers: a stack's module path relative to the compiled module
+            (``"transformer.h"``; a recorded path that ends with it matches: a closure or
+            global root leaves a prefix), several paths, or None to search.
+
+    Returns:
+        ``[(path, child_names), ...]`` in the order first recorded (named: as given).
+        Child names are ``"0" .. str(max index)`` for integer-named children, so a
+        layer's index is the same in every graph of a model even when a graph holds
+        only some layers (after a graph break).
+
+    Raises:
+        LayerStackNotFound: a named path is recorded on no node, is named twice or lies
+            inside a layer of another named stack, or (search) no recorded path has two
+            or more integer-named children of one type.
+    """
+    children = recorded_children(gm)
+    if layers is not None:
+        named: dict[str, list[str]] = {}
+        for want in [layers] if isinstance(layers, str) else list(layers):
+            path = next((p for p in children if p == want or p.endswith("." + want)), None)
+            if path is None:
+                raise LayerStackNotFound(
+                    f"layers={want!r}: no module under it is recorded on the graph's nodes; "
+                    f"recorded containers with children: {sorted(children) or 'none'}")
+            if path in named:
+                raise LayerStackNotFound(f"layers= names the stack {want!r} twice")
+            named[path] = _child_names(children[path])
+        _refuse_nested(named)
+        return list(named.items())
+    found = stacks_among({p: kids for p, kids in children.items() if all(c.isdigit() for c in kids)})
+    if not found:
+        raise LayerStackNotFound(
+            "no layer stack is recorded on the graph's nodes: looked for a module path "
+            "with two or more integer-named children of one type (an nn.ModuleList or "
+            f"nn.Sequential of blocks); recorded containers: {sorted(children) or 'none'}. "
+            "Name the stack with layers='path.to.stack'."
+        )
+    return [(path, _child_names(children[path])) for path, _ in found]
+
+
+def _child_names(kids: Mapping[str, object]) -> list[str]:
+    """``"0" .. str(max index)`` for integer-named children, else the names as recorded."""
+    if all(c.isdigit() for c in kids):
+        return [str(i) for i in range(max(int(c) for c in kids) + 1)]
+    return list(kids)
+
+
 def _inside_layer_of(name: str, stacks: Mapping[str, Sequence[str]]) -> str | None:
     """The stack of ``stacks`` one of whose layers is or holds the module ``name``, or
     None (a container inside one layer of another: the experts of an MoE layer)."""
@@ -192,6 +291,17 @@ def _inside_layer_of(name: str, stacks: Mapping[str, Sequence[str]]) -> str | No
                                  for k in kids):
             return other
     return None
+
+
+def _refuse_nested(named: Mapping[str, Sequence[str]]) -> None:
+    """Raise LayerStackNotFound when a named stack lies inside a layer of another."""
+    for path in named:
+        outer = _inside_layer_of(path, named)
+        if outer is not None:
+            raise LayerStackNotFound(
+                f"the layer stack {path!r} lies inside a layer of the stack {outer!r}: a layer "
+                "cannot belong to two stacks; name one of them"
+            )
 
 
 def _named_stacks(model: torch.nn.Module, containers: Mapping[str, torch.nn.Module],
@@ -215,13 +325,7 @@ def _named_stacks(model: torch.nn.Module, containers: Mapping[str, torch.nn.Modu
         if not children:
             raise LayerStackNotFound(f"the layer stack {path!r} has no children")
         out[path] = children
-    for path in out:
-        outer = _inside_layer_of(path, out)
-        if outer is not None:
-            raise LayerStackNotFound(
-                f"the layer stack {path!r} lies inside a layer of the stack {outer!r}: a layer "
-                "cannot belong to two stacks; name one of them"
-            )
+    _refuse_nested(out)
     return list(out.items())
 
 
@@ -243,44 +347,6 @@ def _refuse_shared_children(path: str, container: torch.nn.Module) -> None:
                 "by sharing Parameters), or name another stack with layers="
             )
         seen[id(child)] = name
-
-
-def input_closure(start: Iterable[fx.Node], follow: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
-    """``start`` and, transitively, the inputs of its nodes that ``follow`` accepts
-    (default: every input): the ancestors of ``start`` within a region of the graph."""
-    out: set[fx.Node] = set()
-    todo = list(start)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        todo.extend(a for a in n.all_input_nodes if a not in out and (follow is None or follow(a)))
-    return out
-
-
-def forward_node_names(gm: fx.GraphModule, num_fwd_outputs: int) -> list[str]:
-    """Names of the joint graph's forward nodes, in graph order.
-
-    A node is forward when it is an ancestor of the first ``num_fwd_outputs`` outputs,
-    or when AOTAutograd traced it during the forward (``meta["partitioner_tag"] ==
-    "is_forward"``: e.g. a layer norm's mean and rstd, read only by backward), or is an
-    ancestor of such a node. Primals are forward values even when unused there.
-    """
-    nodes = list(gm.graph.nodes)
-    output = nodes[-1]
-    roots = [a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
-    roots += [
-        n for n in nodes
-        if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
-    ]
-    seen = input_closure(roots)
-    if any(n.name.startswith("tangents") for n in seen):
-        raise AssertionError("a forward node depends on a tangent: the joint graph is malformed")
-    for n in nodes:
-        if n.op == "placeholder" and n.name.startswith("primals"):
-            seen.add(n)
-    return [n.name for n in nodes if n in seen]
 
 
 def assign_layers(joint: JointGraph, layers: str | Sequence[str] | None = None) -> LayerStack:
@@ -309,68 +375,37 @@ def assign_layers(joint: JointGraph, layers: str | Sequence[str] | None = None) 
     return assign_layers_to_stacks(joint.gm, joint.num_fwd_outputs, stacks)
 
 
-def _layers_of_unrecorded(gm: fx.GraphModule, forward: set[str],
-                           layer_of: Mapping[str, int | None]) -> dict[str, int]:
-    """Layers for forward ops that carry no module path at all.
-
-    Graph passes create such nodes: under ``dynamic=True`` Dynamo keeps Python floats
-    symbolic (``torch._dynamo.config.specialize_float = False``), and
-    ``torch/fx/passes/_tensorify_python_scalars.py`` turns a model's float constants
-    (GPT-2's attention scaling, gelu_new's ``sqrt(2 / pi)``) into 0-dim tensor ops with
-    no ``nn_module_stack``; the attention scores times the scale is then a full-size
-    activation outside every layer, which the partition would save. Such a node takes
-    the layer of its forward users when they agree on one (visited in reverse graph
-    order, so chains of such nodes resolve), else of its inputs when they agree; a
-    value shared by several layers, and random ops (their RNG state belongs to no
-    layer), stay outer.
-
-    Returns:
-        ``{node name: layer}`` for the nodes given a layer.
-    """
-    layer = dict(layer_of)
-    nodes = [n for n in gm.graph.nodes
-             if n.op == "call_function" and n.name in forward and layer[n.name] is None
-             and not n.meta.get("nn_module_stack") and not is_random(n)]
-    changed: dict[str, int] = {}
-
-    def agree(others: Iterable[fx.Node]) -> int | None:
-        found = {layer.get(o.name) for o in others} - {None}
-        return found.pop() if len(found) == 1 else None
-
-    for n in reversed(nodes):
-        got = agree(u for u in n.users if u.name in forward)
-        if got is not None:
-            layer[n.name] = changed[n.name] = got
-    for n in nodes:
-        if layer[n.name] is None:
-            got = agree(n.all_input_nodes)
-            if got is not None:
-                layer[n.name] = changed[n.name] = got
-    return changed
-
-
-def assign_layers_to_graph(
-    gm: fx.GraphModule, num_fwd_outputs: int, path: str, children: list[str] | tuple[str, ...]
-) -> LayerStack:
-    """The layer of every node of a joint graph, given the stack's path and children.
-
-    The graph-level half of ``assign_layers``, for callers that hold a joint graph but
-    no JointGraph or module (the torch.compile backend). Recorded module paths are
-    normalized with ``module_paths.normalize_module_path``.
+def assign_layers_in_graph(gm: fx.GraphModule, num_fwd_outputs: int, layers: str | Sequence[str] | None = None,
+                           known: Sequence[str] = ()) -> LayerStack:
+    """The layer stacks of a joint graph whose nodes record module paths, without the
+    module (the torch.compile backend), and the layer of every node: ``assign_layers``
+    for a graph, the stacks found by ``find_layer_stacks_in_graph``.
 
     Args:
         gm: the joint graph (``primals_*``, ``tangents_*`` placeholders).
         num_fwd_outputs: the joint graph's number of forward outputs.
-        path: the stack's module path (``"transformer.h"``).
-        children: the stack's child names in order; layer i is ``children[i]``.
+        layers: the stack's module path, several paths, or None to find them.
+        known: with ``layers`` None, the stack paths an earlier graph of the same model
+            found: those recorded here are taken first (after a graph break a graph may
+            hold a single layer of a stack, too few for the search); when none of them
+            holds a node, the stacks are searched for.
 
     Returns:
         The LayerStack; ``node.meta["remat_layer"]`` is also set on every node.
 
     Raises:
-        LayerStackNotFound: no node of the graph lies in the stack.
+        LayerStackNotFound: as ``find_layer_stacks_in_graph``, or no forward node lies
+            in a named stack, or in any found one.
     """
-    return assign_layers_to_stacks(gm, num_fwd_outputs, [(path, children)])
+    found: list[tuple[str, list[str]]] = []
+    for path in known if layers is None else ():
+        with contextlib.suppress(LayerStackNotFound):  # not recorded in this graph
+            found += find_layer_stacks_in_graph(gm, path)
+    with contextlib.suppress(LayerStackNotFound):  # no forward node lies in them: search
+        if found:
+            return assign_layers_to_stacks(gm, num_fwd_outputs, found, drop_uncalled=True)
+    stacks = find_layer_stacks_in_graph(gm, layers)
+    return assign_layers_to_stacks(gm, num_fwd_outputs, stacks, drop_uncalled=layers is None and len(stacks) > 1)
 
 
 def assign_layers_to_stacks(
@@ -384,7 +419,9 @@ def assign_layers_to_stacks(
     ``first_layer(s) + j``.
 
     Args:
-        gm, num_fwd_outputs: as ``assign_layers_to_graph``.
+        gm: the joint graph (``primals_*``, ``tangents_*`` placeholders); recorded module
+            paths are normalized with ``module_paths.normalize_module_path``.
+        num_fwd_outputs: the joint graph's number of forward outputs.
         stacks: ``(path, child_names)`` of each stack (no stack inside a layer of another).
         drop_uncalled: leave out the stacks no node lies in (found stacks) instead of
             refusing them (named stacks).
@@ -434,8 +471,7 @@ def assign_layers_to_stacks(
         where = local[n.name]
         layer = None if where is None else offset[where[0]] + where[1]
         layer_of[n.name] = layer
-        n.meta["remat_layer"] = layer
-    for name, layer in _layers_of_unrecorded(gm, fwd_set, layer_of).items():
+    for name, layer in layers_of_unrecorded(gm, fwd_set, layer_of).items():
         layer_of[name] = layer
     for n in gm.graph.nodes:
         n.meta["remat_layer"] = layer_of[n.name]

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import torch.fx as fx
 
 from ..graph.costs import node_flops
+from ..graph.layer_alike import alike, block_evidence
 from ..errors import UnsupportedGraph
 from .intervals import memory_intervals
 from .layer_roles import block_order, schedule_of_roles
@@ -32,18 +33,9 @@ class BlockType:
     storages: list[tuple[int, Any, bool]]
 
     def matches(self, other: "BlockType") -> bool:
-        """Whether ``other`` runs the same ops and allocates the same storages."""
-        return ([_op_signature(n) for n in self.nodes] == [_op_signature(n) for n in other.nodes]
-                and self.storages == other.storages)
-
-
-def _op_signature(n: fx.Node) -> tuple:
-    """What must agree between two blocks of one kind: the op (a get_attr constant by
-    its shape and dtype, since each layer has its own attribute)."""
-    if n.op == "get_attr":
-        val = n.meta.get("val")
-        return ("get_attr", tuple(getattr(val, "shape", ())), str(getattr(val, "dtype", "")))
-    return (n.op, str(n.target))
+        """Whether ``other`` runs the same ops and allocates the same storages: the one
+        rule of ``graph.layer_alike`` on ``layer_alike.block_evidence``."""
+        return alike(block_evidence(self.nodes, self.storages), block_evidence(other.nodes, other.storages))
 
 
 class Template:

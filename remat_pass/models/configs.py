@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..errors import RematError
 from .shipped import build
+from ..graph.layer_alike import first_unlike, module_evidence
 from ..graph.regions import find_layer_stacks
 
 TASKS = ("causal-lm", "masked-lm", "seq2seq-lm", "base")
@@ -310,61 +311,37 @@ def build_factory(spec: str, meta: bool = False, dtype: str | None = None, **kwa
     return model, inputs, loss_fn
 
 
-_SIMPLE = (bool, int, float, str, type(None))
-
-
-def layer_signature(layer: nn.Module) -> dict[str, Any]:
-    """What decides a layer's graph and sizes, as far as its modules show it: every
-    submodule's class, its plain attributes (numbers, strings, None, tuples of them) and
-    its parameters' and buffers' shapes and dtypes, by name."""
-    out: dict[str, Any] = {}
-    for name, mod in layer.named_modules():
-        out[f"{name}:class"] = type(mod).__name__
-        for key, value in sorted(vars(mod).items()):
-            if not key.startswith("_") and (isinstance(value, _SIMPLE) or (
-                    isinstance(value, tuple) and all(isinstance(e, _SIMPLE) for e in value))):
-                out[f"{name}.{key}"] = value
-        for kind, tensors in (("param", mod.named_parameters(recurse=False)), ("buffer", mod.named_buffers(recurse=False))):
-            out.update({f"{name}:{n}": (kind, tuple(t.shape), t.dtype) for n, t in tensors if t is not None})
-    return out
-
-
-def _numbering(signatures: list[dict[str, Any]]) -> set[str]:
-    """The attributes that number the layers (``layer_idx``: layer i holds i + c)."""
-    first = signatures[0]
-    return {key for key, v0 in first.items() if type(v0) is int
-            and all(type(s.get(key)) is int and s[key] - v0 == i for i, s in enumerate(signatures))}
-
-
 def differing_layer(config: Any, spec: ModelSpec) -> str | None:
-    """Why the layers of ``config``'s model are not all alike, or None when they are:
-    the first layer whose ``layer_signature`` differs from layer 0's in any stack of the
-    model (built on the meta device; the attribute that numbers the layers left out),
-    and the first attribute that differs; or a per-layer list of the config (one entry
-    a layer) whose entries differ, which the model's forward may read without any
-    module showing it (Llama 4's ``layer_types`` picks each layer's mask). A
-    sliding-window pattern (Gemma 3's five sliding layers and one full one, Qwen2's
-    ``max_window_layers``) or MoE layers every other layer show here.
+    """Why the layers of ``config``'s model are not all alike, or None when they are, by
+    the one rule of ``graph.layer_alike.first_unlike`` (the attribute that numbers the
+    layers left out): a per-layer list of the config (one entry a layer) whose entries
+    differ, which the model's forward may read without any module showing it (Llama 4's
+    ``layer_types`` picks each layer's mask); else the first layer whose modules
+    (``layer_alike.module_evidence``, built on the meta device) differ from layer 0's in
+    any stack of the model, and the first attribute that differs (classes first, then the
+    outermost). A sliding-window pattern (Gemma 3's five sliding layers and one full one,
+    Qwen2's ``max_window_layers``) or MoE layers every other layer show here.
 
     Raises:
         ConfigError: see ``check_spec``.
     """
     check_spec(config, spec)
     num_layers = config.num_hidden_layers
-    for key, value in sorted(config.to_dict().items()):  # per-layer lists the forward reads
-        if isinstance(value, (list, tuple)) and len(value) == num_layers > 1 and len(set(map(repr, value))) > 1:
-            i = next(i for i, v in enumerate(value) if v != value[0])
-            return f"layer {i} differs from layer 0 in the config ({key}[{i}] = {value[i]!r}, not {value[0]!r})"
+    per_layer = {key: value for key, value in sorted(config.to_dict().items())
+                 if isinstance(value, (list, tuple)) and len(value) == num_layers > 1}
+    unlike = first_unlike([{key: value[i] for key, value in per_layer.items()} for i in range(num_layers)])
+    if unlike is not None:
+        i, key = unlike
+        value = per_layer[key]
+        return f"layer {i} differs from layer 0 in the config ({key}[{i}] = {value[i]!r}, not {value[0]!r})"
     model = _instantiate(config, dataclasses.replace(spec, meta=True))
     modules = dict(model.named_modules())
     for path, kids in find_layer_stacks(model):
-        sigs = [layer_signature(modules[f"{path}.{kid}"]) for kid in kids]
-        numbering = _numbering(sigs)
-        keys = sorted(set().union(*sigs) - numbering, key=lambda k: (not k.endswith(":class"), k.count("."), k))
-        for i, sig in enumerate(sigs[1:], 1):
-            key = next((k for k in keys if sig.get(k) != sigs[0].get(k)), None)
-            if key is not None:
-                return f"layer {i} of {path} differs from layer 0 ({key}: {sig.get(key)!r}, not {sigs[0].get(key)!r})"
+        sigs = [module_evidence(modules[f"{path}.{kid}"]) for kid in kids]
+        unlike = first_unlike(sigs, order=lambda k: (not k.endswith(":class"), k.count("."), k))
+        if unlike is not None:
+            i, key = unlike
+            return f"layer {i} of {path} differs from layer 0 ({key}: {sigs[i].get(key)!r}, not {sigs[0].get(key)!r})"
     return None
 
 

@@ -35,7 +35,7 @@ import functools
 import operator
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 import torch.fx as fx
@@ -45,6 +45,7 @@ from solvers.oplevel import External, LayerDecision, LayerGraph, Unit, Value, la
 from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
+from ..graph.layer_alike import alike_key, node_evidence
 from ..graph.costs import RNG_STATE_BYTES, bytes_moved, is_random, node_flops, same_storage, tensor_val
 from ..errors import InvalidSchedule
 from ..formatting import parse_bytes
@@ -158,26 +159,11 @@ class _Reads:
                     self.by.setdefault(a, set()).add(stack.layer_of.get(b.name))
 
 
-def _signature(nodes: list[fx.Node], reads: _Reads, layer: int) -> tuple:
-    position = {n: i for i, n in enumerate(nodes)}
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, (tuple, list)):
-            return tuple(arg(e) for e in a)
-        if isinstance(a, fx.Node):
-            return ("node", position[a]) if a in position else ("outside", a.op)
-        return repr(a)
-
-    out = []
-    for n in nodes:
-        val = n.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else (val,)
-        meta = tuple((tuple(v.shape), str(v.dtype), tuple(v.stride())) if isinstance(v, torch.Tensor) else None
-                     for v in vals)
-        readers = reads.by.get(n, set())
-        out.append((str(n.target), tuple(arg(a) for a in n.args), tuple(sorted((k, arg(v)) for k, v in n.kwargs.items())),
-                    meta, layer in readers, bool(readers - {layer})))
-    return tuple(out)
+def _signature(nodes: list[fx.Node], reads: _Reads, layer: int) -> Hashable:
+    """What must match for two layers to be one kind, by the one rule of
+    ``graph.layer_alike``: the ``alike_key`` of the layer's ``node_evidence`` (its
+    computed forward nodes, node for node; equal keys: alike layers)."""
+    return alike_key(node_evidence(nodes, reads.by, layer))
 
 
 def layer_kinds(joint: JointGraph, stack: LayerStack, cost_of: Callable[[fx.Node], int],

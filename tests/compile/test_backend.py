@@ -21,6 +21,7 @@ from remat_pass.compile.backend import (
 )
 from remat_pass.compile.graph import GraphBreakWarning
 from remat_pass.errors import InvalidSchedule
+from remat_pass.graph.module_paths import recorded_paths
 from remat_pass.report.inspection import load_dump
 from remat_pass.models import TinyGPT
 from remat_pass.evaluate.session import Session
@@ -438,3 +439,38 @@ def test_inductor_compiler():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     (r,) = b.reports
     assert r.schedule == "uniform(K=1)" and sorted(s.layers for s in r.step.segments) == [(0,), (1,)]
+
+
+@pytest.mark.slow
+def test_t5_is_planned_on_both_stacks():
+    """T5 has two layer stacks, ``encoder.block`` and ``decoder.block``: the backend finds
+    both in the module paths Dynamo recorded (the rule ``trace_joint``'s pipeline uses on
+    the module), chained encoder then decoder, and uniform(K=1) recomputes every layer of
+    both. Before: only the encoder was the stack, the decoder's layers were outer (saved
+    whole). Gradients equal eager's."""
+    hf = pytest.importorskip("remat_pass.models.hf_families")
+    pytest.importorskip("transformers")
+    model, inputs, _ = hf.t5(layers=2, seq=8)
+    ref = copy.deepcopy(model)
+    b = remat_pass.backend("uniform", 1)
+    loss = torch.compile(model, backend=b)(**inputs).loss
+    loss.backward()
+    eager = ref(**inputs).loss
+    eager.backward()
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    (r,) = [r for r in b.reports if r.layer_stack is not None]
+    assert r.layer_stack == "encoder.block, decoder.block"
+    assert r.layers == (0, 1, 2, 3)  # encoder layers 0-1, decoder layers 2-3
+    assert r.schedule == "uniform(K=1)"
+    assert sorted(s.layers for s in r.step.segments) == [(0,), (1,), (2,), (3,)]
+    # every forward and backward node recorded under a block is in the stack: none outer
+    seen: dict[str, set] = {"encoder": set(), "decoder": set()}
+    for gm in (r.step.forward, r.step.backward):
+        for n in gm.graph.nodes:
+            recorded = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
+            paths = [p for p, _ in recorded_paths(recorded)]
+            for part, layers in seen.items():
+                if any(p.startswith(part + ".block.") for p in paths):
+                    layers.add(r.step.layer_of.get(n.name))
+    assert seen == {"encoder": {0, 1}, "decoder": {2, 3}}
