@@ -8,7 +8,7 @@ are recomputed, combined with whole-layer recompute groups, checked by liveness.
 3. Each decision becomes a chain-model option (``solvers.StoredOption``), calibrated by
    liveness: the step with every layer of the kind taking it is rewritten and profiled
    (``symbolic.profile_step``), and the layer's saved bytes and forward / backward peaks
-   above the bytes saved below it are read off, as ``SymbolicModel.chain_costs`` does
+   above the bytes saved below it are read off, as ``chain_calibration.chain_costs`` does
    for stored layers and groups.
 4. The chain solver (``solvers.least_recompute``) picks, exactly in its model, the
    groups and every stored layer's option of least recompute cost whose peak fits; the
@@ -53,7 +53,8 @@ from ..liveness.timeline import MemoryReport
 from ..recompute.partition import OpLevelChoice, Partition, op_level_partition
 from ..graph.regions import LayerStack
 from ..recompute.rewrite import rewrite
-from ..liveness.symbolic import SymbolicModel, profile_step, regions
+from ..liveness.symbolic import SymbolicModel, profile_step
+from .chain_calibration import chain_costs, regions
 from ..liveness.symbolic_sizes import SizeConverter
 from ..graph.trace import JointGraph
 
@@ -371,7 +372,7 @@ class OpPlanner:
         return saved, fw_above, bw_above, cost
 
     def _chain_costs(self) -> ChainCosts:
-        """``SymbolicModel.chain_costs`` with group costs in the cost model's unit and
+        """``chain_calibration.chain_costs`` with group costs in the cost model's unit and
         each layer's options, calibrated by liveness.
 
         A layer's option changes its own terms (saved bytes, forward and backward peaks
@@ -382,7 +383,7 @@ class OpPlanner:
         (``none``) is added to every layer's own ``none`` terms.
         """
         L = self.stack.num_layers
-        base = self.model.chain_costs()
+        base = chain_costs(self.model)
         last = self._step_costs(schedules.uniform(1, L))[3]
         member = self._step_costs(schedules.uniform(L, L))[3]
         stored = self._step_costs(schedules.none(L))

@@ -1,7 +1,7 @@
 """The optimized schedule: least recompute under a peak budget, checked by liveness.
 
 The chain model (``solvers.chain``) is calibrated from the graph's liveness
-(``symbolic.SymbolicModel.chain_costs``) and solved exactly; every answer is rewritten
+(``chain_calibration.chain_costs``) and solved exactly; every answer is rewritten
 and analysed (``liveness.analyze``), and the solve is repeated with a tighter model
 budget while the analysed peak exceeds the budget (``solvers.resolve``). So the returned
 schedule's predicted peak always fits; a budget below the least feasible peak is an
@@ -24,6 +24,7 @@ from ..memory.memory_model import NodeMemory
 from ..graph.regions import LayerStack
 from ..recompute.schedule import Schedule
 from ..liveness.symbolic import SymbolicModel
+from .chain_calibration import chain_costs
 from ..graph.trace import JointGraph
 
 
@@ -95,7 +96,7 @@ class Planner:
         self.model = model if model is not None else SymbolicModel.from_joint(joint, stack)
         self.num_layers = self.model.num_layers
         t0 = time.perf_counter()
-        self.costs = self.model.chain_costs()
+        self.costs = chain_costs(self.model)
         self.calibrate_s = time.perf_counter() - t0
         self._reports: dict[Schedule, MemoryReport] = {}
         self.unconstrained_peak_bytes = self.report(schedules.none(self.model.layers_per_stack)).peak_bytes
