@@ -14,8 +14,10 @@ are recomputed, combined with whole-layer recompute groups, checked by liveness.
    groups and every stored layer's option of least recompute cost whose peak fits; the
    answer is built (``partition.op_level_partition``), rewritten and analysed by
    liveness, and solved again with a tighter model budget while the analysed peak
-   exceeds the budget (``solvers.resolve``). So the returned plan's predicted peak
-   always fits; a budget below the least feasible peak is ``InfeasibleBudget``.
+   exceeds the budget (``solvers.resolve``): the planner skeleton every level shares
+   (``planner.ChainPlanner``; the layer level is the same with no options). So the
+   returned plan's predicted peak always fits; a budget below the least feasible peak
+   is ``InfeasibleBudget``.
 
 Cost model (``CostModel``): a recomputed op costs ``max(FLOPs, flops_per_byte * bytes
 moved)``, the roofline (Williams et al. 2009) with the machine balance
@@ -134,10 +136,6 @@ class LayerKind:
     nodes: tuple[tuple[str, ...], ...]
     units: tuple[tuple[int, ...], ...]
     graph: LayerGraph
-
-    def recomputable(self, decision: LayerDecision) -> set[str]:
-        """The joint node names ``decision`` recomputes, in every layer of the kind."""
-        return {names[p] for names in self.nodes for u in decision.recomputed for p in self.units[u]}
 
     def recomputable_in(self, layer: int, decision: LayerDecision) -> set[str]:
         """The joint node names ``decision`` recomputes in ``layer`` (one of the kind's)."""
