@@ -4,7 +4,7 @@ and recompute of a schedule out (its exact solvers: ``solvers.chain_search``).
 A schedule splits the L layers of the stack into *recomputed groups* of consecutive
 layers (any sizes) and *stored* layers (anywhere). The model predicts its peak bytes
 from per-layer costs, all plain integers (bytes, FLOPs) calibrated from the graph's
-liveness (``remat_pass.liveness.symbolic.SymbolicModel.chain_costs``):
+liveness (``remat_pass.plan.chain_calibration.chain_costs``):
 
 - ``M(<p)``: bytes saved in forward by the layers before ``p`` and still held in
   backward: ``stored_saved_bytes[i]`` for a stored layer, ``last_saved_bytes[i]`` for

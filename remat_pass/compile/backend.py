@@ -41,8 +41,8 @@ break cost is given by a ``GraphBreakWarning``.
 Budgets bound the step. With ``schedule="optimized"``, each graph is planned when it
 compiles against ``budget_bytes`` alone (the other graphs are not known yet); after the
 first step, the schedules of all graphs are chosen together so that the composed step
-fits (``step_planning``; with ``granularity="op"``, the op-level choices,
-``step_op_planning``), and the graphs whose schedule changed are recompiled: from the
+fits (``step_planning``; with ``granularity="op"``, the op-level choices, the
+same step planner), and the graphs whose schedule changed are recompiled: from the
 second step on, the step's peak is within the budget. A budget below the least
 feasible step peak raises ``InfeasibleBudget`` at the end of the first step.
 

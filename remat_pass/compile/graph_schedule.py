@@ -7,7 +7,7 @@ schedule under ``budget_bytes`` (``planner.Planner``), and the op-level Partitio
 (``op_planner.OpPlanner``, or a module-kind / save policy). The backend
 (``backend.RematBackend``) composes the graphs of a step; this module sees one graph,
 and keeps each graph's op-level planner and choice (``op_plans``) for the step's
-re-planning (``step_op_planning``).
+re-planning (``step_planning``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class BackendOptions:
             ``~/.cache/remat-pass``); False: the formula table only.
         granularity: ``"layer"`` (whole layers) or ``"op"``: with ``optimized``, the
             op-level optimum under ``budget_bytes`` (``op_planner.OpPlanner`` per graph,
-            then against the composed step, ``step_op_planning``); else
+            then against the composed step, ``step_planning``); else
             ``recompute_modules`` or ``policy`` in the layers the schedule stores.
         recompute_modules: Megatron-Core module kinds to recompute (``policies.KINDS``;
             ``("core_attn",)`` is Megatron-LM's selective recompute).

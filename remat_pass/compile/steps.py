@@ -1,7 +1,7 @@
 """The training steps of a model the torch.compile backend compiled: each step's graph
 calls composed into one timeline (``StepReport``, ``step_flow``, ``step_composition``)
 and logged; after the first step, the schedules of all graphs re-planned against the
-composed step (``step_planning``, ``step_op_planning``) and the graphs whose schedule
+composed step (``step_planning``) and the graphs whose schedule
 changed recompiled; the step's report files."""
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from .inductor_memory import code_liveness
 from ..liveness.intervals import storage_bytes
 from ..recompute.partition import Partition
 from ..report.schedule_report import write_report
-from ..recompute.rewrite import RewrittenStep, rewrite
+from ..recompute.rewrite import RewrittenStep
 from ..liveness.step_flow import GraphCall, GraphLiveness, graph_liveness
-from ..plan.step_op_planning import OpPlannedGraph, plan_step_op_level
-from ..plan.step_planning import PlannedGraph, plan_step
+from ..plan.planner import Planner
+from ..plan.step_planning import OpLevelGraph, WholeLayerGraph, plan_step
 from .step_recorder import RecordedStep
 from ..report.step_report import CallSummary, StepReport, break_text, build_step_report, step_markdown
 
@@ -212,49 +212,43 @@ class BackendSteps:
 
     def _replan(self, rec: RecordedStep, report: StepReport) -> StepReport:
         """Choose every graph's schedule against the composed step (``step_planning``,
-        on the fx graphs) and recompile the graphs whose schedule changed.
+        whole layers, on the fx graphs) and recompile the graphs whose schedule changed.
 
         Raises:
             InfeasibleBudget: the budget is below the least feasible step peak
                 (``on_error="fallback"``: warned, and the least feasible schedules run).
         """
         graphs = {c.graph_id: self._graphs[c.graph_id] for c in rec.calls}
-        planned = [PlannedGraph(gid, g.joint, g.stack, g.step.schedule) for gid, g in graphs.items()
-                   if g.stack is not None and g.stack.num_layers and g.plain is None]
+        planned = [WholeLayerGraph(gid, Planner(g.joint, g.stack, self._graph_predict(g)), g.step.schedule)
+                   for gid, g in graphs.items() if g.stack is not None and g.stack.num_layers and g.plain is None]
         if not planned:
             return report
-
-        def step_peak(chosen: dict[str, schedules.Schedule]) -> int:
-            steps = {gid: rewrite(graphs[gid].joint, graphs[gid].stack, s) for gid, s in chosen.items()
-                     if s != graphs[gid].step.schedule}
-            return self._compose(rec, steps).peak_bytes
-
-        budget = int(self.options.budget_bytes)
-        plan = plan_step(planned, step_peak, budget,
-                         lambda p, s: self._scheduler.predict(p.joint, p.stack, s, graphs[p.graph_id].allocator))
+        plan = plan_step(planned, lambda steps: self._compose(rec, steps).peak_bytes, int(self.options.budget_bytes))
         least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
-        changed = {gid: s for gid, s in plan.schedules.items() if s != graphs[gid].step.schedule}
+        changed = {gid: s for gid, s in plan.choices.items() if s != graphs[gid].step.schedule}
         return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
+
+    def _graph_predict(self, g: BackendGraph) -> Callable[[schedules.Schedule], Any]:
+        """The graph's own predicted report of a schedule (its planner's predictor)."""
+        return lambda s: self._scheduler.predict(g.joint, g.stack, s, g.allocator)
 
     def _replan_op_level(self, rec: RecordedStep, report: StepReport) -> StepReport:
         """``granularity="op"``: every graph's op-level choice picked against the composed
-        step (``step_op_planning``, on the fx graphs); the graphs whose choice changed
+        step (``step_planning``, op level, on the fx graphs); the graphs whose choice changed
         are recompiled.
 
         Raises:
             InfeasibleBudget: as ``_replan``.
         """
         graphs = {c.graph_id: self._graphs[c.graph_id] for c in rec.calls}
-        planned = [OpPlannedGraph(gid, *self._scheduler.op_plans[gid]) for gid, g in graphs.items()
+        planned = [OpLevelGraph(gid, *self._scheduler.op_plans[gid]) for gid, g in graphs.items()
                    if gid in self._scheduler.op_plans and g.plain is None and g.schedule is None]
         if not planned:
             return report
-        plan = plan_step_op_level(planned, lambda steps: self._compose(rec, steps).peak_bytes,
-                                  int(self.options.budget_bytes))
+        plan = plan_step(planned, lambda steps: self._compose(rec, steps).peak_bytes, int(self.options.budget_bytes))
         least = ", ".join(f"{gid}: op-level options {s.options or 'all 0'}, groups {list(s.groups)}"
                           for gid, s in plan.least_feasible.items())
-        changed = {p.graph_id: plan.partitions[p.graph_id] for p in planned
-                   if plan.solutions[p.graph_id] != p.solution}
+        changed = {p.graph_id: plan.decisions[p.graph_id] for p in planned if plan.choices[p.graph_id] != p.current}
         return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
 
     def _apply_step_plan(self, rec: RecordedStep, changed: dict[str, schedules.Schedule | Partition],

@@ -420,8 +420,8 @@ def _layer_of_label(label: str, prefixes: dict[str, int]) -> int | None:
 
 @dataclasses.dataclass
 class ReusedLayersModel(SymbolicModel):
-    """The symbolic model's chain calibration (``SymbolicModel.chain_costs``) on an
-    L-layer stack analysed by ``ReusedLayers`` (concrete shapes), for the planner."""
+    """The symbolic model of an L-layer stack analysed by ``ReusedLayers`` (concrete
+    shapes), for the planner's chain calibration (``plan.chain_calibration``)."""
 
     reuse: ReusedLayers | None = None
 

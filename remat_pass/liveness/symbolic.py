@@ -1,5 +1,4 @@
-"""Symbolic memory model (sympy): peaks, per-layer aggregates and closed forms in the
-shape symbols.
+"""Symbolic memory model (sympy): peaks and per-layer aggregates in the shape symbols.
 
 How it works (DESIGN.md, Memory accounting / Symbolic shapes):
 
@@ -13,14 +12,14 @@ How it works (DESIGN.md, Memory accounting / Symbolic shapes):
   coefficient by another step's (every symbol is positive) is never the peak and is
   dropped; what remains is a short ``Max``. Substituting values gives exactly the
   concrete liveness peak (``liveness.analyze``, CPU allocator) at those shapes.
-- Per-layer aggregates (saved bytes, forward FLOPs, region peaks) are read off the same
-  step polynomials; ``chain_costs`` turns them into the chain model of
-  ``solvers.chain`` (evaluated at concrete shapes for the solver), and ``closed_forms``
-  into formulas in K / N and the shape symbols (``solvers.closed_forms``).
+- Per-layer aggregates (saved bytes, FLOPs) are read off the same step polynomials
+  (``SymbolicStep``, ``aggregates``).
 
 Polynomials are ``solvers.poly.Poly`` over the symbol names (``symbolic_sizes``
 converts the sizes), so a concrete trace (no symbols) uses the same code with constant
-polynomials. The planner that solves for schedules lives in ``planner.py``.
+polynomials. The planner's chain model is calibrated from these profiles, and put in
+closed form in K / N, by ``plan.chain_calibration``; the planner that solves for
+schedules is ``plan.planner``.
 
 Ignored: the CUDA allocator's rounding (sizes are exact bytes, as the ``cpu``
 allocator of ``liveness``), and everything ``liveness`` ignores.
@@ -36,8 +35,6 @@ import sympy
 import torch
 import torch.fx as fx
 
-from solvers import ChainCosts
-from solvers.closed_forms import ClosedForms, megatron_closed_forms
 from solvers.poly import Poly, max_value, pareto_max
 
 from ..recompute import schedule as schedules
@@ -171,14 +168,6 @@ class SymbolicModel:
         """L of each layer stack in chain order (``LayerStack.layers_per_stack``)."""
         return self.stack.layers_per_stack
 
-    def _stack_starts(self) -> list[int]:
-        """The first layer of every stack, in chain order."""
-        starts, first = [], 0
-        for n in self.layers_per_stack:
-            starts.append(first)
-            first += n
-        return starts
-
     def symbol(self, name: str) -> sympy.Symbol:
         """The sympy Symbol (positive integer) called ``name``."""
         return self._conv.named[name]
@@ -187,7 +176,8 @@ class SymbolicModel:
         """A Poly as a sympy expression in the named symbols."""
         return self._conv.sympy(p)
 
-    def _max_sympy(self, polys: Sequence[Poly]) -> sympy.Expr:
+    def max_sympy(self, polys: Sequence[Poly]) -> sympy.Expr:
+        """The Max of polynomials as a sympy expression (0 for none)."""
         exprs = [self.to_sympy(p) for p in polys]
         return sympy.Max(*exprs, evaluate=False) if len(exprs) > 1 else (exprs[0] if exprs else sympy.Integer(0))
 
@@ -204,7 +194,7 @@ class SymbolicModel:
         """Peak activation bytes of ``schedule`` as a sympy expression (a Max of
         polynomials in the symbols). ``.subs`` of concrete values gives exactly
         ``analyze(rewrite(concrete trace, ...)).peak_bytes`` at those shapes."""
-        return self._max_sympy(self.profile(schedule).peak())
+        return self.max_sympy(self.profile(schedule).peak())
 
     def peak_at(self, schedule: Schedule, **values: int) -> int:
         """The peak in bytes at concrete symbol values (every symbol must be given).
@@ -212,9 +202,14 @@ class SymbolicModel:
         Raises:
             ValueError: a symbol has no value.
         """
-        return max_value(self.profile(schedule).peak(), self._values(values))
+        return max_value(self.profile(schedule).peak(), self.symbol_values(values))
 
-    def _values(self, values: Mapping[str, int]) -> list[int]:
+    def symbol_values(self, values: Mapping[str, int]) -> list[int]:
+        """The values of ``gens`` in order, from a mapping of symbol names (ints).
+
+        Raises:
+            ValueError: a symbol has no value.
+        """
         missing = [g for g in self.gens if g not in values]
         if missing:
             raise ValueError(f"give a value for every symbol; missing {missing} (symbols: {list(self.gens)})")
@@ -245,121 +240,6 @@ class SymbolicModel:
             "recompute_flops": [self.to_sympy(u1.recompute_flops_by_layer.get(i, Poly())) for i in range(L)],
         }
 
-    # ---------------------------------------------------------------- chain model
-
-    def chain_polys(self) -> dict[str, Any]:
-        """The chain model's costs (``solvers.ChainCosts`` fields) as lists of Pareto
-        polynomial sets (a Max) per layer, calibrated from the liveness profiles of
-        ``none``, ``uniform(1)`` and ``uniform(L)`` (for several stacks: each stack one
-        group). See ``chain_costs``."""
-        L, per_stack = self.num_layers, self.layers_per_stack
-        last = self._last_layers()
-        none = self.profile(schedules.none(per_stack))
-        u1 = self.profile(schedules.uniform(1, per_stack))
-        uL = self.profile(schedules.uniform(max(per_stack), per_stack))
-        out: dict[str, Any] = {}
-        out["stored_saved_bytes"] = [[none.saved_by_layer.get(i, Poly())] for i in range(L)]
-        out["last_saved_bytes"] = [[u1.saved_by_layer.get(i, Poly())] for i in range(L)]
-        out["member_saved_bytes"] = [[uL.saved_by_layer.get(i, Poly())] if i not in last else [Poly()]
-                                     for i in range(L)]
-        out["last_recompute_flops"] = [[u1.recompute_flops_by_layer.get(i, Poly())] for i in range(L)]
-        out["member_recompute_flops"] = [
-            [uL.recompute_flops_by_layer.get(i, Poly())] if i not in last else [Poly()] for i in range(L)
-        ]
-
-        def prefix(prof: SymbolicStep, j: int) -> Poly:
-            return sum((prof.saved_by_layer.get(i, Poly()) for i in range(j)), Poly())
-
-        def above(polys: list[Poly], base: Poly) -> list[Poly]:
-            return pareto_max(p - base for p in polys)
-
-        n_fw, n_bw, n_head, n_outer = regions(none)
-        r_fw, r_bw, _, _ = regions(u1)
-        _, l_bw, _, _ = regions(uL)
-        out["stored_forward_bytes"] = [above(n_fw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
-        out["stored_backward_bytes"] = [above(n_bw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
-        # outer values every group reads (a mask), saved once when any group exists
-        shared = u1.saved_by_layer.get(None, Poly()) - none.saved_by_layer.get(None, Poly())
-        out["shared_checkpoint_bytes"] = [shared]
-        out["recomputed_forward_bytes"] = [
-            above(r_fw.get(j, [Poly()]), prefix(u1, j) + shared) for j in range(L)
-        ]
-        # in uniform(1) layer 0 is the lowest group: the shared values die at its recompute
-        out["recomputed_backward_bytes"] = [
-            above(r_bw.get(j, [Poly()]), prefix(u1, j) + (shared if j else Poly())) for j in range(L)
-        ]
-        out["head_bytes"] = above(n_head or [Poly()], prefix(none, L))
-        out["outer_bytes"] = pareto_max(n_outer or [Poly()])
-        out["forward_flops"] = [[sum(none.forward_flops_by_layer.values(), Poly())]]
-        # carry: U_j = (peak of layer j's backward in one group of all layers of its
-        # stack) - (alone);
-        # carry_i = U_{i+1} - U_i, each a Max, so it is evaluated at concrete values.
-        out["uniform_all_backward"] = [l_bw.get(j, [Poly()]) for j in range(L)]
-        return out
-
-    def chain_costs(self, **values: int) -> ChainCosts:
-        """``solvers.ChainCosts`` at concrete symbol values (bytes and FLOPs as ints).
-
-        ``carry_bytes[i] = U(i+1) - U(i)`` where ``U(j)`` is the backward peak of layer j
-        inside one group of all layers minus its backward peak alone (uniform(1)),
-        both above the bytes saved by the layers before; by construction the model
-        reproduces ``none``, ``uniform(1)`` and ``uniform(L)``. For several stacks the
-        chain is the stacks' layers in chain order, and ``ChainCosts.stack_starts`` keeps
-        every group inside one stack.
-
-        Raises:
-            ValueError: a symbol has no value.
-        """
-        vals = self._values(values) if self.gens else []
-        polys = self.chain_polys()
-        L = self.num_layers
-        per_layer = ("stored_saved_bytes", "last_saved_bytes", "member_saved_bytes", "stored_forward_bytes",
-                     "recomputed_forward_bytes", "stored_backward_bytes", "recomputed_backward_bytes",
-                     "last_recompute_flops", "member_recompute_flops")
-        fields = {k: tuple(max_value(ps, vals) for ps in polys[k]) for k in per_layer}
-        u = [max_value(polys["uniform_all_backward"][j], vals) - fields["recomputed_backward_bytes"][j]
-             for j in range(L)]
-        last = self._last_layers()
-        fields["carry_bytes"] = tuple(u[i + 1] - u[i] if i not in last else 0 for i in range(L))
-        return ChainCosts(
-            **fields,
-            head_bytes=max_value(polys["head_bytes"], vals),
-            outer_bytes=max_value(polys["outer_bytes"], vals),
-            forward_flops=max_value(polys["forward_flops"][0], vals),
-            shared_checkpoint_bytes=max_value(polys["shared_checkpoint_bytes"], vals),
-            stack_starts=tuple(self._stack_starts()[1:]),
-        )
-
-    def _last_layers(self) -> set[int]:
-        """The last layer of every stack."""
-        return {first + n - 1 for first, n in zip(self._stack_starts(), self.layers_per_stack)}
-
-    # ---------------------------------------------------------------- closed forms
-
-    def closed_forms(self, layer: int | None = None) -> ClosedForms:
-        """Closed forms of the chain model for a stack of L layers all like ``layer``
-        (default: the middle one), in K, N, L and the shape symbols
-        (``solvers.closed_forms``; the terms read off this graph). The exact peak of
-        one schedule is ``peak(schedule)``."""
-        L = self.num_layers
-        j = L // 2 if layer is None else layer
-        polys = self.chain_polys()
-        prefix = self.stack.layer_path(j) + "."
-        param_grad_bytes = sum(
-            int(v.untyped_storage().nbytes())
-            for v, kind, label in zip(self.joint.primal_values, self.joint.primal_kinds, self.joint.primal_labels)
-            if kind == "param" and label.startswith(prefix)
-        )
-        return megatron_closed_forms(
-            checkpoint_bytes=self._max_sympy(polys["last_saved_bytes"][j]),
-            stored_layer_bytes=self._max_sympy(polys["stored_saved_bytes"][j]),
-            param_grad_bytes=param_grad_bytes,
-            rebuilt_backward_peak_bytes=self._max_sympy(polys["recomputed_backward_bytes"][L - 1]),
-            stored_backward_peak_bytes=self._max_sympy(polys["stored_backward_bytes"][L - 1]),
-            head_peak_bytes=self._max_sympy(polys["head_bytes"]),
-            outer_peak_bytes=self._max_sympy(polys["outer_bytes"]),
-        )
-
     # ---------------------------------------------------------------- budgets
 
     def largest_fitting(self, schedule: Schedule, budget_bytes: int, symbol: str,
@@ -376,7 +256,7 @@ class SymbolicModel:
         terms = self.profile(schedule).peak()
 
         def fits(x: int) -> bool:
-            return max_value(terms, self._values({**fixed, symbol: x})) <= budget_bytes
+            return max_value(terms, self.symbol_values({**fixed, symbol: x})) <= budget_bytes
 
         if not fits(1):
             return 0
@@ -386,27 +266,6 @@ class SymbolicModel:
         if hi > limit:
             return limit if fits(limit) else _bisect(fits, lo, limit)
         return _bisect(fits, lo, hi)
-
-
-def regions(prof: SymbolicStep) -> tuple[dict[int, list[Poly]], dict[int, list[Poly]], list[Poly], list[Poly]]:
-    """Live bytes of every step grouped by region: forward and backward per layer, the
-    head (outer steps between the first forward layer step and the first backward one),
-    and the rest of the outer region."""
-    fw: dict[int, list[Poly]] = {}
-    bw: dict[int, list[Poly]] = {}
-    head: list[Poly] = []
-    outer: list[Poly] = []
-    first_fw = min((i for i, l in enumerate(prof.layers) if l is not None and prof.phases[i] == "forward"), default=0)
-    first_bw = min((i for i, l in enumerate(prof.layers) if l is not None and prof.phases[i] == "backward"),
-                   default=len(prof.layers))
-    for i, (phase, layer) in enumerate(zip(prof.phases, prof.layers)):
-        if layer is not None:
-            (fw if phase == "forward" else bw).setdefault(layer, []).append(prof.live[i])
-        elif first_fw < i < first_bw:
-            head.append(prof.live[i])
-        else:
-            outer.append(prof.live[i])
-    return fw, bw, head, outer
 
 
 def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:

@@ -8,14 +8,16 @@ are recomputed, combined with whole-layer recompute groups, checked by liveness.
 3. Each decision becomes a chain-model option (``solvers.StoredOption``), calibrated by
    liveness: the step with every layer of the kind taking it is rewritten and profiled
    (``symbolic.profile_step``), and the layer's saved bytes and forward / backward peaks
-   above the bytes saved below it are read off, as ``SymbolicModel.chain_costs`` does
+   above the bytes saved below it are read off, as ``chain_calibration.chain_costs`` does
    for stored layers and groups.
 4. The chain solver (``solvers.least_recompute``) picks, exactly in its model, the
    groups and every stored layer's option of least recompute cost whose peak fits; the
    answer is built (``partition.op_level_partition``), rewritten and analysed by
    liveness, and solved again with a tighter model budget while the analysed peak
-   exceeds the budget (``solvers.resolve``). So the returned plan's predicted peak
-   always fits; a budget below the least feasible peak is ``InfeasibleBudget``.
+   exceeds the budget (``solvers.resolve``): the planner skeleton every level shares
+   (``planner.ChainPlanner``; the layer level is the same with no options). So the
+   returned plan's predicted peak always fits; a budget below the least feasible peak
+   is ``InfeasibleBudget``.
 
 Cost model (``CostModel``): a recomputed op costs ``max(FLOPs, flops_per_byte * bytes
 moved)``, the roofline (Williams et al. 2009) with the machine balance
@@ -40,7 +42,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.fx as fx
 
-from solvers import ChainCosts, CheckedPlan, Solution, StoredOption, least_feasible_checked, least_recompute_checked
+from solvers import ChainCosts, CheckedPlan, Solution, StoredOption
 from solvers.oplevel import External, LayerDecision, LayerGraph, Unit, Value, layer_front
 from solvers.poly import max_value
 
@@ -48,14 +50,15 @@ from ..recompute import schedule as schedules
 from ..graph.layer_alike import alike_key, node_evidence
 from ..graph.costs import RNG_STATE_BYTES, bytes_moved, is_random, node_flops, same_storage, tensor_val
 from ..errors import InvalidSchedule
-from ..formatting import parse_bytes
 from ..liveness.intervals import storage_bytes
 from ..liveness.timeline import MemoryReport
 from ..recompute.partition import OpLevelChoice, Partition, op_level_partition
 from ..graph.regions import LayerStack
 from ..recompute.rewrite import rewrite
-from ..liveness.symbolic import SymbolicModel, profile_step, regions
+from ..liveness.symbolic import SymbolicModel, profile_step
 from ..liveness.symbolic_sizes import SizeConverter
+from .chain_calibration import chain_costs, regions
+from .planner import ChainAnswer, ChainPlanner
 from ..graph.trace import JointGraph
 
 POLICY = "op_optimal"
@@ -134,10 +137,6 @@ class LayerKind:
     nodes: tuple[tuple[str, ...], ...]
     units: tuple[tuple[int, ...], ...]
     graph: LayerGraph
-
-    def recomputable(self, decision: LayerDecision) -> set[str]:
-        """The joint node names ``decision`` recomputes, in every layer of the kind."""
-        return {names[p] for names in self.nodes for u in decision.recomputed for p in self.units[u]}
 
     def recomputable_in(self, layer: int, decision: LayerDecision) -> set[str]:
         """The joint node names ``decision`` recomputes in ``layer`` (one of the kind's)."""
@@ -303,8 +302,11 @@ class OpPlan:
         return self.partition.schedule.groups if self.partition.schedule is not None else ()
 
 
-class OpPlanner:
-    """Solves for the op-level optimum of one traced step and checks it with liveness.
+class OpPlanner(ChainPlanner[Partition, OpPlan]):
+    """The op level: the op-level optimum of one traced step, checked with liveness
+    (``planner.ChainPlanner`` with each layer's trade-off points as chain options; its
+    decisions are Partitions, ``partition``). ``plan_many`` compares the chain model's
+    recompute cost.
 
     Args:
         joint, stack: the traced step (concrete shapes) and its layer stack.
@@ -316,13 +318,14 @@ class OpPlanner:
     Attributes:
         kinds: the layer kinds; fronts: each kind's trade-off (``layer_front``).
         costs: the chain model with one option per trade-off point.
+        unconstrained_peak_bytes: liveness peak with every value saved.
         prepare_s: seconds spent building all of it.
     """
 
     def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Partition], MemoryReport],
                  cost_model: CostModel = CostModel(), allocator: str = "cpu"):
         t0 = time.perf_counter()
-        self.joint, self.stack, self._predict, self.cost_model = joint, stack, predict, cost_model
+        self.joint, self.stack, self.cost_model = joint, stack, cost_model
         timed = time_forward_ops(joint, stack) if cost_model.timed else None
         self.cost_of: Callable[[fx.Node], int] = (
             (lambda n: timed.get(n.name.removesuffix("_recompute"), 0)) if timed is not None
@@ -332,10 +335,8 @@ class OpPlanner:
         self.kind_of = {layer: i for i, k in enumerate(self.kinds) for layer in k.layers}
         self.model = SymbolicModel.from_joint(joint, stack)
         self._conv = SizeConverter(self.model.joint)
-        self.costs = self._chain_costs()
-        self._reports: dict[tuple, MemoryReport] = {}
-        self._least: CheckedPlan | None = None
-        self.unconstrained_peak_bytes = self.report(Solution((), 0, 0)).peak_bytes
+        super().__init__(self._chain_costs(), self.partition, predict)
+        self.unconstrained_peak_bytes = self.solution_report(Solution((), 0, 0)).peak_bytes
         self.prepare_s = time.perf_counter() - t0
 
     # -- the chain model with options
@@ -357,7 +358,7 @@ class OpPlanner:
         return saved, fw_above, bw_above, cost
 
     def _chain_costs(self) -> ChainCosts:
-        """``SymbolicModel.chain_costs`` with group costs in the cost model's unit and
+        """``chain_calibration.chain_costs`` with group costs in the cost model's unit and
         each layer's options, calibrated by liveness.
 
         A layer's option changes its own terms (saved bytes, forward and backward peaks
@@ -368,7 +369,7 @@ class OpPlanner:
         (``none``) is added to every layer's own ``none`` terms.
         """
         L = self.stack.num_layers
-        base = self.model.chain_costs()
+        base = chain_costs(self.model)
         last = self._step_costs(schedules.uniform(1, L))[3]
         member = self._step_costs(schedules.uniform(L, L))[3]
         stored = self._step_costs(schedules.none(L))
@@ -411,66 +412,23 @@ class OpPlanner:
         schedule = schedules.optimized(sol.groups, L) if sol.groups else None
         return op_level_partition(self.joint, self.stack, OpLevelChoice(POLICY, frozenset(names)), schedule)
 
-    def report(self, sol: Solution) -> MemoryReport:
-        """Liveness report of ``sol``'s partition (cached)."""
-        key = (sol.groups, sol.options)
-        if key not in self._reports:
-            self._reports[key] = self._predict(self.partition(sol))
-        return self._reports[key]
-
-    def _peak_of(self, sol: Solution) -> int:
-        return self.report(sol).peak_bytes
-
     def least_feasible(self) -> CheckedPlan:
         """The choice of least liveness peak the planner finds (``solvers.resolve``)."""
-        if self._least is None:
-            self._least = least_feasible_checked(self.costs, self._peak_of)
-        return self._least
+        return self.least_feasible_checked()
 
-    def plan(self, budget: int | str, max_resolves: int = 20) -> OpPlan:
-        """The least-recompute choice whose liveness peak is <= ``budget``.
-
-        Args:
-            budget: peak activation bytes (an int, or a size such as ``"60MiB"``).
-
-        Raises:
-            InfeasibleBudget: the budget is below the least feasible peak (carried in
-                bytes by the error).
-            InvalidSchedule: the budget is not a size.
-        """
-        try:
-            budget_bytes = parse_bytes(budget)
-        except ValueError as e:
-            raise InvalidSchedule(f"budget {budget!r}: {e}") from e
-        least = self.least_feasible()
-        t0 = time.perf_counter()
-        checked = least_recompute_checked(self.costs, budget_bytes, self._peak_of, least, max_resolves)
-        solve_s = time.perf_counter() - t0
-        sol = checked.solution
-        part, rep = self.partition(sol), self.report(sol)
+    def _plan_value(self, answer: ChainAnswer[Partition]) -> OpPlan:
+        checked, part, rep = answer.checked, answer.decision, answer.report
         step = rewrite(self.joint, self.stack, part)
         recomputed = [n for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute"]
         return OpPlan(
-            budget_bytes=budget_bytes, partition=part, options=sol.options,
+            budget_bytes=answer.budget_bytes, partition=part, options=checked.options,
             model_peak_bytes=int(checked.model_peak_bytes), predicted_peak_bytes=rep.peak_bytes,
             recompute_cost=int(checked.recompute_flops), recompute_flops=rep.recompute_flops,
             recompute_bytes_moved=sum(bytes_moved(n) for n in recomputed), forward_flops=rep.forward_flops,
             saved_nodes=len(part.saved), recomputed_nodes=len(part.recomputed_names),
-            least_feasible_peak_bytes=least.predicted_peak_bytes,
-            unconstrained_peak_bytes=self.unconstrained_peak_bytes, solve_time_s=solve_s, resolves=checked.resolves)
+            least_feasible_peak_bytes=answer.least.predicted_peak_bytes,
+            unconstrained_peak_bytes=self.unconstrained_peak_bytes, solve_time_s=answer.solve_time_s,
+            resolves=checked.resolves)
 
-    def plan_many(self, budgets: Sequence[int | str]) -> list[OpPlan]:
-        """``plan`` for each budget, served from the largest down: a choice that fits
-        a smaller budget and costs no more is kept, so the predicted peak never rises as
-        the budget falls."""
-        sizes = [parse_bytes(b) for b in budgets]
-        out: dict[int, OpPlan] = {}
-        prev: OpPlan | None = None
-        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-            p = self.plan(sizes[i])
-            if prev is not None and prev.predicted_peak_bytes <= sizes[i] and prev.recompute_cost <= p.recompute_cost \
-                    and (prev.recompute_cost < p.recompute_cost or prev.predicted_peak_bytes < p.predicted_peak_bytes):
-                p = dataclasses.replace(prev, budget_bytes=sizes[i], solve_time_s=p.solve_time_s)
-            out[i] = p
-            prev = p
-        return [out[i] for i in range(len(sizes))]
+    def _cost(self, plan: OpPlan) -> int:
+        return plan.recompute_cost

@@ -1,20 +1,28 @@
-"""The optimized schedule: least recompute under a peak budget, checked by liveness.
+"""The planner: least recompute under a peak budget, the chain model solved exactly
+and every answer checked by liveness, at layer level and at op level.
 
-The chain model (``solvers.chain``) is calibrated from the graph's liveness
-(``symbolic.SymbolicModel.chain_costs``) and solved exactly; every answer is rewritten
-and analysed (``liveness.analyze``), and the solve is repeated with a tighter model
-budget while the analysed peak exceeds the budget (``solvers.resolve``). So the returned
-schedule's predicted peak always fits; a budget below the least feasible peak is an
+``ChainPlanner`` is the one skeleton. Its chain model (``solvers.ChainCosts``) has the
+whole-layer groups and, at op level, per-layer options (``ChainCosts.stored_options``;
+option 0 stores the whole layer); a chain ``Solution`` becomes a decision the step is
+rewritten by (``decision``: a Schedule at layer level, a Partition at op level), whose
+liveness peak (``predict``) checks it. The answer is solved again with a tighter model
+budget while the analysed peak exceeds the budget (``solvers.resolve``), so a returned
+plan's predicted peak always fits; a budget below the least feasible peak is an
 ``InfeasibleBudget`` carrying that peak in bytes.
+
+``Planner`` is the layer level: the skeleton with no options, its chain model
+calibrated from the graph's liveness (``chain_calibration.chain_costs``), its decisions
+``schedule.optimized`` Schedules. ``op_planner.OpPlanner`` is the op level: the same
+skeleton with each layer's exact trade-offs as options.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from solvers import CheckedPlan, Solution, least_feasible_checked, least_recompute_checked
+from solvers import ChainCosts, CheckedPlan, Solution, least_feasible_checked, least_recompute_checked
 
 from ..recompute import schedule as schedules
 from ..errors import InvalidSchedule
@@ -24,7 +32,143 @@ from ..memory.memory_model import NodeMemory
 from ..graph.regions import LayerStack
 from ..recompute.schedule import Schedule
 from ..liveness.symbolic import SymbolicModel
+from .chain_calibration import chain_costs
 from ..graph.trace import JointGraph
+
+D = TypeVar("D")  # what a chain Solution becomes: a Schedule (layer level) or a Partition (op level)
+P = TypeVar("P")  # the plan value a planner returns
+
+
+def budget_bytes_of(budget: int | str) -> int:
+    """``budget`` in bytes (an int, or a size such as ``"2GiB"``).
+
+    Raises:
+        InvalidSchedule: the budget is not a size (``nan``, a negative number).
+    """
+    try:
+        return parse_bytes(budget)
+    except ValueError as e:
+        raise InvalidSchedule(f"budget {budget!r}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainAnswer(Generic[D]):
+    """The skeleton's answer for one budget, before a planner makes it its plan value.
+
+    Attributes:
+        budget_bytes: the peak budget asked for.
+        checked: the chain-model answer and its liveness peak (``solvers.CheckedPlan``).
+        decision: what it becomes (``ChainPlanner.decision``).
+        report: the liveness report of that decision.
+        least: the least feasible answer (``ChainPlanner.least_feasible_checked``).
+        solve_time_s: seconds in the solver and its checks for this budget.
+    """
+
+    budget_bytes: int
+    checked: CheckedPlan
+    decision: D
+    report: MemoryReport
+    least: CheckedPlan
+    solve_time_s: float
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The liveness peak of the decision (bytes)."""
+        return self.report.peak_bytes
+
+
+class ChainPlanner(Generic[D, P]):
+    """The one planner skeleton (see the module docstring): a chain model solved
+    exactly, every answer checked by a predictor.
+
+    Args:
+        costs: the chain model (with op-level options or without).
+        decision: what a chain Solution becomes (a Schedule, a Partition).
+        predict: the liveness report of a decision (bytes and FLOPs).
+
+    A subclass makes the answer its plan value (``_plan_value``) and names the cost
+    ``plan_many`` compares (``_cost``); the skeleton's own plan value is the
+    ``ChainAnswer``, its cost the chain model's recompute.
+    """
+
+    def __init__(self, costs: ChainCosts, decision: Callable[[Solution], D],
+                 predict: Callable[[D], MemoryReport]):
+        self.costs = costs
+        self.decision = decision
+        self._predict = predict
+        self._solution_reports: dict[tuple, MemoryReport] = {}
+        self._least: CheckedPlan | None = None
+
+    def solution_report(self, sol: Solution) -> MemoryReport:
+        """Liveness report of ``sol``'s decision (cached by its groups and options)."""
+        key = (sol.groups, sol.options)
+        if key not in self._solution_reports:
+            self._solution_reports[key] = self._predict(self.decision(sol))
+        return self._solution_reports[key]
+
+    def _peak_of(self, sol: Solution) -> int:
+        return self.solution_report(sol).peak_bytes
+
+    def least_feasible_checked(self) -> CheckedPlan:
+        """The answer of least liveness peak found (``solvers.least_feasible_checked``)."""
+        if self._least is None:
+            self._least = least_feasible_checked(self.costs, self._peak_of)
+        return self._least
+
+    def answer(self, budget: int | str, max_resolves: int = 20) -> ChainAnswer[D]:
+        """The least-recompute answer whose liveness peak is <= ``budget``
+        (``solvers.least_recompute_checked``).
+
+        Args:
+            budget: peak activation bytes (an int, or a size such as ``"2GiB"``).
+            max_resolves: how often the model budget may be tightened.
+
+        Raises:
+            InfeasibleBudget: the budget is below the least feasible peak (carried in
+                bytes by the error).
+            InvalidSchedule: the budget is not a size (``nan``, a negative number).
+        """
+        budget_bytes = budget_bytes_of(budget)
+        least = self.least_feasible_checked()
+        t0 = time.perf_counter()
+        checked = least_recompute_checked(self.costs, budget_bytes, self._peak_of, least, max_resolves)
+        solve_s = time.perf_counter() - t0
+        return ChainAnswer(budget_bytes, checked, self.decision(checked.solution),
+                           self.solution_report(checked.solution), least, solve_s)
+
+    def plan(self, budget: int | str, max_resolves: int = 20) -> P:
+        """The plan value of ``answer(budget, max_resolves)`` (same errors)."""
+        return self._plan_value(self.answer(budget, max_resolves))
+
+    def _plan_value(self, answer: ChainAnswer[D]) -> P:
+        return answer  # type: ignore[return-value]
+
+    def _cost(self, plan: P) -> int:
+        return plan.checked.recompute_flops  # type: ignore[attr-defined]
+
+    def plan_many(self, budgets: Sequence[int | str]) -> list[P]:
+        """``plan`` for each budget, served from the largest down: when the plan chosen
+        for a larger budget still fits a smaller one and costs no more (``_cost``), it
+        is kept, so the predicted peak never rises as the budget falls.
+
+        Raises:
+            ValueError: a budget is not a size.
+            InfeasibleBudget: as ``plan``.
+        """
+        sizes = [parse_bytes(b) for b in budgets]
+        out: dict[int, P] = {}
+        prev: P | None = None
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            p = self.plan(sizes[i])
+            if prev is not None and prev.predicted_peak_bytes <= sizes[i] and (  # type: ignore[attr-defined]
+                self._cost(prev) <= self._cost(p)
+                and (self._cost(prev) < self._cost(p)
+                     or prev.predicted_peak_bytes < p.predicted_peak_bytes)  # type: ignore[attr-defined]
+            ):
+                p = dataclasses.replace(prev, budget_bytes=sizes[i], solve_time_s=p.solve_time_s)  # type: ignore
+            out[i] = p
+            prev = p
+        return [out[i] for i in range(len(sizes))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +216,14 @@ class Plan:
         return schedules.describe_groups(self.schedule.groups, self.schedule.num_layers)
 
 
-class Planner:
-    """Solves for optimized schedules of one traced step and checks them with liveness.
+class Planner(ChainPlanner[Schedule, Plan]):
+    """The layer level: optimized schedules of one traced step, checked with liveness
+    (the skeleton with no op-level options; its decisions are ``schedule.optimized``).
 
     Budgets are served from largest to smallest consistently (``plan_many``): a
     schedule that fits a budget is kept for smaller budgets it still fits, so the
-    predicted peak never rises as the budget falls.
+    predicted peak never rises as the budget falls (compared by the liveness
+    recompute FLOPs of the rewritten step).
 
     Args:
         joint, stack: the traced step (concrete shapes) and its layer stack.
@@ -86,95 +232,59 @@ class Planner:
         model: the model the chain costs are calibrated from (default:
             ``SymbolicModel.from_joint(joint, stack)``; ``layer_reuse.ReusedLayersModel``
             for a stack analysed from a template). Its ``num_layers`` is the L planned for.
+
+    Attributes:
+        costs: the chain model; calibrate_s: seconds calibrating it.
+        unconstrained_peak_bytes: liveness peak of ``none``.
     """
 
     def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Schedule], MemoryReport],
                  model: SymbolicModel | None = None):
         self.joint, self.stack = joint, stack
-        self._predict = predict
         self.model = model if model is not None else SymbolicModel.from_joint(joint, stack)
         self.num_layers = self.model.num_layers
         t0 = time.perf_counter()
-        self.costs = self.model.chain_costs()
+        costs = chain_costs(self.model)
         self.calibrate_s = time.perf_counter() - t0
+        self._schedule_predict = predict
         self._reports: dict[Schedule, MemoryReport] = {}
+        super().__init__(costs, self._schedule, self.report)
         self.unconstrained_peak_bytes = self.report(schedules.none(self.model.layers_per_stack)).peak_bytes
-        self._least: CheckedPlan | None = None
 
     def report(self, schedule: Schedule) -> MemoryReport:
         """Liveness report of ``schedule`` (cached)."""
         if schedule not in self._reports:
-            self._reports[schedule] = self._predict(schedule)
+            self._reports[schedule] = self._schedule_predict(schedule)
         return self._reports[schedule]
 
-    def _peak_of(self, sol: Solution) -> int:
-        return self.report(self._schedule(sol.groups)).peak_bytes
-
-    def _schedule(self, groups: tuple) -> Schedule:
-        return schedules.optimized(groups, self.model.layers_per_stack)
+    def _schedule(self, sol: Solution) -> Schedule:
+        return schedules.optimized(sol.groups, self.model.layers_per_stack)
 
     def least_feasible(self) -> tuple[Schedule, int]:
         """The schedule of least liveness peak the solver finds, and that peak (bytes)."""
-        if self._least is None:
-            self._least = least_feasible_checked(self.costs, self._peak_of)
-        return self._schedule(self._least.groups), self._least.predicted_peak_bytes
+        least = self.least_feasible_checked()
+        return self._schedule(least.solution), least.predicted_peak_bytes
 
-    def plan(self, budget: int | str, max_resolves: int = 20) -> Plan:
-        """The least-recompute schedule whose liveness peak is <= ``budget``.
-
-        Args:
-            budget: peak activation bytes (an int, or a size such as ``"2GiB"``).
-
-        Raises:
-            InfeasibleBudget: the budget is below the least feasible peak (carried in
-                bytes by the error).
-            InvalidSchedule: the budget is not a size (``nan``, a negative number).
-        """
-        try:
-            budget_bytes = parse_bytes(budget)
-        except ValueError as e:
-            raise InvalidSchedule(f"budget {budget!r}: {e}") from e
-        self.least_feasible()
-        assert self._least is not None
-        t0 = time.perf_counter()
-        checked = least_recompute_checked(self.costs, budget_bytes, self._peak_of, self._least, max_resolves)
-        solve_s = time.perf_counter() - t0
-        chosen = self._schedule(checked.groups)
-        rep = self.report(chosen)
+    def _plan_value(self, answer: ChainAnswer[Schedule]) -> Plan:
+        rep = answer.report
         return Plan(
-            budget_bytes=budget_bytes,
-            schedule=chosen,
-            model_peak_bytes=int(checked.model_peak_bytes),
+            budget_bytes=answer.budget_bytes,
+            schedule=answer.decision,
+            model_peak_bytes=int(answer.checked.model_peak_bytes),
             predicted_peak_bytes=rep.peak_bytes,
             recompute_flops=rep.recompute_flops,
             forward_flops=rep.forward_flops,
-            least_feasible_peak_bytes=self._least.predicted_peak_bytes,
+            least_feasible_peak_bytes=answer.least.predicted_peak_bytes,
             unconstrained_peak_bytes=self.unconstrained_peak_bytes,
-            solve_time_s=solve_s,
-            resolves=checked.resolves,
+            solve_time_s=answer.solve_time_s,
+            resolves=answer.checked.resolves,
             peak_scratch=rep.peak_scratch,
             peak_could_move_bytes=rep.peak_could_move_bytes,
             threads=rep.threads,
         )
 
-    def plan_many(self, budgets: Sequence[int | str]) -> list[Plan]:
-        """``plan`` for each budget, served from the largest down: when the schedule
-        chosen for a larger budget still fits a smaller one and costs no more recompute,
-        it is kept, so the predicted peak never rises as the budget falls."""
-        sizes = [parse_bytes(b) for b in budgets]
-        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-        out: dict[int, Plan] = {}
-        prev: Plan | None = None
-        for i in order:
-            p = self.plan(sizes[i])
-            if prev is not None and prev.predicted_peak_bytes <= sizes[i] and (
-                prev.recompute_flops <= p.recompute_flops
-                and (prev.recompute_flops < p.recompute_flops or prev.predicted_peak_bytes < p.predicted_peak_bytes)
-            ):
-                p = dataclasses.replace(prev, budget_bytes=sizes[i], solve_time_s=p.solve_time_s)
-            out[i] = p
-            prev = p
-        return [out[i] for i in range(len(sizes))]
+    def _cost(self, plan: Plan) -> int:
+        return plan.recompute_flops
 
 
 def max_batch_rows(sm: SymbolicModel, budget_bytes: int, symbol: str = "batch",

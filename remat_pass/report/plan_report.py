@@ -12,6 +12,7 @@ from solvers import closed_forms
 from ..recompute import schedule as schedules
 from ..formatting import fmt_bytes
 from ..plan.op_planner import OpPlan, OpPlanner
+from ..plan.chain_calibration import closed_forms as chain_closed_forms
 from ..plan.planner import Plan
 from .schedule_report import op_scratch_text
 from ..evaluate.schedule_result import ScheduleResult
@@ -41,7 +42,7 @@ def symbolic_model_text(sm: SymbolicModel) -> str:
     lines.append("")
     if several:
         return "\n".join(lines + _several_stacks_text(sm))
-    cf = sm.closed_forms()
+    cf = chain_closed_forms(sm)
     lines.append(f"chain-model terms (middle layer): s = {cf.checkpoint_bytes}, a = {cf.stored_layer_bytes}, "
                  f"g = {cf.param_grad_bytes} (parameter-gradient bytes)")
     for (sym, ex), what in zip(cf.region_peaks.items(), ("top layer's backward, rebuilt",

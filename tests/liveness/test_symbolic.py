@@ -16,6 +16,7 @@ from remat_pass.measure.run import measure_step
 from remat_pass.graph.regions import assign_layers
 from remat_pass.recompute.rewrite import rewrite
 from remat_pass.formatting import parse_bytes
+from remat_pass.plan.chain_calibration import closed_forms as chain_closed_forms
 from remat_pass.report.plan_report import symbolic_model_text
 from remat_pass.liveness.symbolic import default_symbols, trace_symbolic
 from remat_pass.evaluate.session import megatron_schedules
@@ -81,7 +82,7 @@ def test_aggregates_and_closed_forms_are_polynomials():
             assert poly.free_symbols <= {b, s}
     # the layers differ (MLP widths, attention or not)
     assert len({sympy.expand(v) for v in agg["stored_layer_bytes"]}) > 1
-    cf = sm.closed_forms()
+    cf = chain_closed_forms(sm)
     K = closed_forms.K
     assert K in cf.peak_uniform.free_symbols and b in cf.peak_uniform.free_symbols
     # a group of one saves its output: s is far below a stored layer's a
