@@ -84,7 +84,6 @@ from .graph import (
     graph_layer_stack,
     graph_report,
     report_folder,
-    shape_hints,
     write_graph_report,
 )
 from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's public names
@@ -98,7 +97,8 @@ from .steps import BackendSteps, StepLogEntry
 from .compiled_graphs import GraphReport
 from ..errors import RematError
 from .graph_schedule import GraphScheduler
-from .graph_transforms import aot_graphs, dynamo_joint, output_roles, symbol_sources
+from .graph_transforms import aot_graphs, dynamo_joint, output_roles
+from ..liveness.symbolic_sizes import shape_hints, symbol_sources
 from .inductor_hooks import capture_inner_compile
 from ..recompute.rewrite import rewrite
 from .step_recorder import StepRecorder

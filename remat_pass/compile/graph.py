@@ -19,7 +19,8 @@ from .options import REPORT_DIR_ENV, BackendOptions
 from .compiled_graphs import GraphReport, graph_markdown
 from ..errors import LayerStackNotFound
 from .graph_schedule import GraphScheduler
-from .graph_transforms import boundary_bytes, concrete_step, size_hint
+from .graph_transforms import boundary_bytes
+from ..liveness.symbolic_sizes import concrete_step, size_hint
 from ..report.inspection import dump_step
 from ..liveness.timeline import analyze
 from ..graph.module_paths import find_layer_stack_in_graph
@@ -117,18 +118,6 @@ def fallback_warning(g: BackendGraph, error: Exception) -> None:
     g.plain = f"{type(error).__name__}: {error}"
     warnings.warn(f"remat-pass: graph {g.graph_id} runs un-rewritten (on_error='fallback') because "
                   f"of {g.plain}", RematFallbackWarning, stacklevel=3)
-
-
-def shape_hints(joint: JointGraph) -> dict[Any, int]:
-    """The example value of every shape symbol of the graph (its compile-time hints)."""
-    for v in joint.primal_values:
-        env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
-        if env is None and isinstance(v, torch.SymInt):
-            env = v.node.shape_env
-        if env is not None:
-            hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
-            return {s: int(h) for s, h in hints.items()}
-    return {}
 
 
 def graph_layer_stack(joint: JointGraph, info: CompileInfo, options: BackendOptions,

@@ -19,7 +19,7 @@ from .options import BackendOptions
 from ..memory.calibration import Calibrator
 from .compiled_graphs import GraphReport
 from ..errors import InfeasibleBudget, UnsupportedGraph
-from .graph_transforms import concrete_step, is_symbolic_tensor
+from ..liveness.symbolic_sizes import concrete_step, is_symbolic_tensor
 from ..liveness.timeline import MemoryReport, analyze
 from ..memory.memory_model import MemoryModel
 from solvers import Solution, model_peak

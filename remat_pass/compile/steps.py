@@ -25,7 +25,7 @@ from ..graph.costs import storage_nbytes
 from ..errors import StepNotComposable
 from ..formatting import fmt_bytes
 from .graph_schedule import GraphScheduler
-from .graph_transforms import concrete_step, evaluate_size, symbolic_size
+from ..liveness.symbolic_sizes import concrete_step, evaluate_size, symbolic_size
 from .inductor_memory import code_liveness
 from ..liveness.intervals import storage_bytes
 from ..recompute.partition import Partition
