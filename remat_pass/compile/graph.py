@@ -77,7 +77,6 @@ def compile_info(gm: fx.GraphModule, graph_id: str, frame: int | None, seen_brea
     )
 
 
-
 def graph_layer_stack(joint: JointGraph, info: CompileInfo, options: BackendOptions,
                       reports: Sequence[GraphReport]) -> LayerStack:
     """The graph's layer stack; after a graph break the stack may continue in another
