@@ -5,50 +5,45 @@ report for every compiled graph, and a report of the whole step.
 or through the ``torch_dynamo_backends`` entry point
 ``torch.compile(model, backend="remat", options={"schedule": "uniform", "recompute_num_layers": 2})``.
 
-For every graph Dynamo hands over:
+``RematBackend`` holds the current state of every training graph (``graph_state``) and
+the step records (``steps.StepRecords``); each event moves them by a transition:
 
-1. AOTAutograd (``torch._dynamo.backends.common.aot_autograd``, which calls
-   ``aot_module_simplified``) traces the joint forward+backward graph and calls this
-   module's partition function instead of its own (``default_partition`` /
-   ``min_cut_rematerialization_partition``).
-2. The partition finds the layer stacks from the module paths Dynamo recorded on the
-   nodes (``nn_module_stack``; AOTAutograd copies the forward node's onto its backward
-   nodes as ``fwd_nn_module_stack``), gives every node its layer
+1. Dynamo hands over a graph (``RematBackend.__call__``): ``graph_state.capture``, then
+   ``graph_compile.compile_graph``: AOTAutograd traces the joint forward+backward graph
+   and calls this project's partition instead of its own; the partition
+   (``graph_state.plan``) finds the layer stack from the module paths Dynamo recorded on
+   the nodes (``nn_module_stack``; AOTAutograd copies the forward node's onto its
+   backward nodes as ``fwd_nn_module_stack``), gives every node its layer
    (``regions.assign_layers_in_graph``), builds the Schedule for the layers of the
    stacks (``optimized``: ``planner.Planner`` under ``budget_bytes``) and rewrites
-   (``rewrite.rewrite``). ``liveness.analyze`` predicts the graph's peak; the report is
-   kept in ``RematBackend.reports``.
-3. The forward and backward graphs are handed back in AOTAutograd's calling
-   convention (``graph_transforms.aot_graphs``).
-4. They run as plain fx code (``compiler="eager"``: the ``aot_eager`` executor, which
-   frees each value at its last use; gradients equal eager's bit for bit on CPU) or are
-   compiled by Inductor (``compiler="inductor"``: ``compile_fx`` with this partition as
-   ``custom_partitioner_fn``; ``inductor_hooks`` keeps each graph's generated code and
-   keeps Inductor from fusing kernels of different layers).
-5. The callable handed back to Dynamo records each call (``step_recorder``): which
+   (``rewrite.rewrite``); ``liveness.analyze`` predicts the graph's peak. The graphs
+   run as plain fx code (``compiler="eager"``: gradients equal eager's bit for bit on
+   CPU) or are compiled by Inductor (``compiler="inductor"``). The report is kept in
+   ``RematBackend.reports`` (and written to ``report_dir``).
+2. The callable handed back to Dynamo records each call (``step_recorder``): which
    graphs ran in a step, in which order, and which graph's output each input is.
-
-The step. When a step ends (every backward it started has run), its graph calls are
-composed into one timeline (``backend_steps``; ``step_flow``, ``step_composition``):
-the forward outputs held across a break, the gradients passed back, the zero tangents,
-the loss and its tangent, the parameter gradients. ``RematBackend.step_report()`` returns it
-(``step_report(shape)``: the latest step whose input had that shape; each step is
-logged in ``RematBackend.step_log`` with the peak of the shapes that ran). With
-``compiler="inductor"`` the graphs' timelines come from Inductor's generated code
-(``inductor_memory``). The first step's report is written to ``report_dir`` and its
-break cost is given by a ``GraphBreakWarning``.
-
-Budgets bound the step. With ``schedule="optimized"``, each graph is planned when it
-compiles against ``budget_bytes`` alone (the other graphs are not known yet); after the
-first step, the schedules of all graphs are chosen together so that the composed step
-fits (``step_planning``; with ``granularity="op"``, the op-level choices, the
-same step planner), and the graphs whose schedule changed are recompiled: from the
-second step on, the step's peak is within the budget. A budget below the least
-feasible step peak raises ``InfeasibleBudget`` at the end of the first step.
+3. A step ends (every backward it started has run): ``steps.end_step`` records its
+   graphs (``graph_state.record``: their liveness) and composes its graph calls into one
+   timeline (``step_flow``, ``step_composition``): the forward outputs held across a
+   break, the gradients passed back, the zero tangents, the loss and its tangent, the
+   parameter gradients. ``RematBackend.step_report()`` returns it (``step_report(shape)``:
+   the latest step whose input had that shape; each step is logged in
+   ``RematBackend.step_log`` with the peak of the shapes that ran). With
+   ``compiler="inductor"`` the graphs' timelines come from Inductor's generated code
+   (``inductor_memory``). The first step's report is written to ``report_dir`` and its
+   break cost is given by a ``GraphBreakWarning``.
+4. After the first step, with ``schedule="optimized"``, ``steps.replan_step``: each graph
+   was planned when it compiled against ``budget_bytes`` alone (the other graphs were
+   not known yet); now the schedules of all graphs are chosen together so that the
+   composed step fits (``step_planning``; with ``granularity="op"``, the op-level
+   choices, the same step planner), and the graphs whose schedule changed are compiled
+   again (``graph_state.replan``): from the second step on, the step's peak is within
+   the budget. A budget below the least feasible step peak raises ``InfeasibleBudget``
+   at the end of the first step.
 
 Dynamic shapes: the rewrite is shape-agnostic; the GraphReport's sizes are those of
 the example that triggered the compile (``GraphReport.symbolic``), and the step report
-evaluates every size at the shapes of the step that ran.
+evaluates every size at the shapes of the step that ran (``symbolic_sizes.evaluate_size``).
 
 Inference graphs (``eval()`` models under ``no_grad``, or any graph with no input that
 requires grad) are compiled without a partition and not recorded; their ids are listed
@@ -58,35 +53,31 @@ Errors (``on_error``): ``"raise"`` raises at compile time (a schedule the graph 
 not allow, an unsupported graph) or at the end of the first step (a step that cannot
 be composed, an infeasible step budget). ``"fallback"`` warns
 (``RematFallbackWarning``) and runs the graphs concerned un-rewritten (AOTAutograd's or
-Inductor's own partition) instead.
+Inductor's own partition) instead (``graph_compile.fall_back``, ``steps.not_composable``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx as fx
-from torch._guards import CompileContext, TracingContext
+from torch._guards import CompileContext
 
+from .compiled_graphs import GraphReport, describe_graph_breaks
 from .graph import (
-    BackendGraph,
-    CompileInfo,
     GraphBreakWarning,
     NoLayerStackWarning,
     RematFallbackWarning,
-    compile_info,
-    fallback_warning,
-    graph_layer_stack,
-    graph_report,
     report_folder,
-    shape_hints,
     write_graph_report,
 )
+from .graph_compile import CompileResult, compile_graph
+from .graph_schedule import GraphScheduler
+from .graph_state import Compiled, GraphState, Inference, Plain, capture
 from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's public names
     REPORT_DIR_ENV,
     BackendOptions,
@@ -94,15 +85,9 @@ from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's pub
     check_compile_kwargs,
     default_op_schedule,
 )
-from .steps import BackendSteps, StepLogEntry
-from .compiled_graphs import GraphReport
-from ..errors import RematError
-from .graph_schedule import GraphScheduler
-from .graph_transforms import aot_graphs, dynamo_joint, output_roles, symbol_sources
-from .inductor_hooks import capture_inner_compile
-from ..recompute.rewrite import rewrite
-from .step_recorder import StepRecorder
-from ..report.step_report import StepReport
+from .step_recorder import RecordedGraph, RecordedStep, StepRecorder
+from .steps import StepLogEntry, StepRecords, end_step, not_composable, replan_step, write_step
+from ..report.step_report import StepReport, break_text
 
 __all__ = [
     "BackendOptions",
@@ -118,6 +103,7 @@ __all__ = [
     "registered_backend",
 ]
 
+
 def _current_compile_id() -> tuple[str, int | None]:
     cid = CompileContext.current_compile_id()
     if cid is None:
@@ -129,12 +115,15 @@ class RematBackend:
     """A torch.compile backend that applies a recompute schedule to every training graph.
 
     Use ``backend(...)`` to make one; pass it as ``torch.compile(model, backend=b)``.
+    It holds the current state of every training graph and the step records, and moves
+    them by the transitions of ``graph_state`` and ``steps`` (see the module docstring).
 
     Attributes:
         options: the BackendOptions.
         reports: one GraphReport per compiled training graph, in compile order (a graph
             recompiled by the step planner appears again).
         inference_graphs: ids of graphs compiled without a backward (no rewrite).
+        graph_states: the current state of every training graph, by id.
         step_log: one StepLogEntry per training step run.
         files: report files written (when a report folder is set).
     """
@@ -144,14 +133,13 @@ class RematBackend:
         self.reports: list[GraphReport] = []
         self.inference_graphs: list[str] = []
         self.files: list[Path] = []
-        self._graphs: dict[str, BackendGraph] = {}
-        self._building: BackendGraph | None = None  # the graph being compiled
+        self._scheduler = GraphScheduler(options)
+        self._graphs: dict[str, GraphState] = {}  # every training graph's current state
+        self._callables: dict[str, RecordedGraph] = {}  # what Dynamo calls, per graph
+        self._records = StepRecords()
+        self._recorder = StepRecorder(self._step_ended, self._not_composable)
         self._count = 0
         self._seen_break = False
-        self._scheduler = GraphScheduler(options)
-        self._steps = BackendSteps(options, self._scheduler, self._graphs, self.reports, self.files,
-                                   self._compile, self._compile_plain)
-        self._recorder = StepRecorder(self._steps.step_ended, self._steps.not_composable)
         self.__name__ = "remat"
 
     def __repr__(self) -> str:
@@ -167,179 +155,97 @@ class RematBackend:
     @property
     def step_log(self) -> list[StepLogEntry]:
         """One StepLogEntry per training step run."""
-        return self._steps.log
+        return list(self._records.log)
+
+    @property
+    def graph_states(self) -> dict[str, GraphState]:
+        """The current state of every training graph, by graph id (``graph_state``:
+        Compiled, Recorded once a step of it ran, Plain when it runs un-rewritten)."""
+        return dict(self._graphs)
 
     # -- Dynamo entry point
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-        """Compile one Dynamo graph (the ``CompilerFn`` contract).
+        """Compile one Dynamo graph (the ``CompilerFn`` contract): captured, compiled
+        (``graph_compile.compile_graph``), and, for a training graph, wrapped to record
+        its calls.
 
         Raises:
             InvalidBackendOption: ``torch.compile`` passed a ``mode`` other than
                 ``"default"`` or ``options`` (give them to ``remat_pass.compile.backend``).
+            RematError: as ``graph_state.plan``, with ``on_error="raise"``.
         """
         check_compile_kwargs(kwargs, given_to="remat_pass.backend(...)")
         graph_id, frame = _current_compile_id()
         if not graph_id:
             graph_id = f"graph{self._count}"
         self._count += 1
-        info = compile_info(gm, graph_id, frame, self._seen_break)
-        self._seen_break = self._seen_break or info.graph_break is not None
-        g = BackendGraph(info, gm, list(example_inputs))
-        compiled = self._compile(g)
-        if g.report is None and g.plain is None:
+        captured = capture(gm, example_inputs, graph_id, frame, self._seen_break)
+        self._seen_break = self._seen_break or captured.info.graph_break is not None
+        state = self._compiled(compile_graph(captured, self._scheduler, tuple(self.reports)))
+        if isinstance(state, Inference):
             self.inference_graphs.append(graph_id)
-            return compiled
-        self._graphs[graph_id] = g
-        g.recorded = self._recorder.wrap(graph_id, compiled, g.param_indices)
-        return g.recorded
+            return state.run
+        self._graphs[graph_id] = state
+        params = state.planned.param_indices if isinstance(state, Compiled) else ()
+        self._callables[graph_id] = self._recorder.wrap(graph_id, state.run, params)
+        return self._callables[graph_id]
 
-    def _compile(self, g: BackendGraph) -> Callable[..., Any]:
-        """Compile ``g`` rewritten; on a RematError, un-rewritten when ``on_error`` says so."""
-        self._building = g
-        try:
-            return self._compile_inductor(g) if self.options.compiler == "inductor" else self._compile_eager(g)
-        except RematError as e:
-            if self.options.on_error != "fallback":
-                raise
-            fallback_warning(g, e)
-            return self._compile_plain(g)
-        finally:
-            self._building = None
+    def _compiled(self, result: CompileResult) -> Compiled | Plain | Inference:
+        """Take a compile's reports (``reports``, their files, the graph-break warning)
+        and return the state it ended in."""
+        self._take_reports(result.reports)
+        return result.state
 
-    def _note_forward(self, g: BackendGraph, num_fwd_outputs: int, num_tangents: int) -> None:
-        """Read AOTAutograd's output metadata while the forward compiles."""
-        ctx = TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-        if meta is not None or not g.output_joint:
-            g.output_joint, g.output_tangent = output_roles(meta, num_fwd_outputs, num_tangents)
-
-    def _compile_eager(self, g: BackendGraph) -> Callable[..., Any]:
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
-
-        def forward_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-            if g.step is not None:
-                self._note_forward(g, g.step.num_fwd_outputs, len(g.joint.tangents))
-            return boxed_nop(gm, example_inputs)
-
-        return aot_autograd(
-            fw_compiler=forward_compiler,
-            bw_compiler=boxed_nop,
-            partition_fn=self.partition,
-            keep_inference_input_mutations=True,
-        )(g.gm, g.example_inputs)
-
-    def _compile_inductor(self, g: BackendGraph) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
-        from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-        backend = self
-
-        class _Partitioner(CustomPartitionerFn):
-            def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kw: Any):
-                kw.pop("compiler", None)
-                return backend.partition(joint, joint_inputs, **kw)
-
-            def uuid(self) -> None:
-                return None  # no caching: every compile must run the partition (and report)
-
-        def on_code(kind: str, code: str) -> None:
-            if g.step is None:
-                return  # an inference graph
-            g.code[kind] = code
-            g.liveness.pop("inductor", None)
-            if kind == "forward":
-                self._note_forward(g, g.step.num_fwd_outputs, len(g.joint.tangents))
-
-        # The caches would key on the partitioner object (not picklable: it holds this
-        # backend) and a hit would skip the partition, and with it the report.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(
-                g.gm, g.example_inputs, inner_compile=capture_inner_compile(on_code),
-                config_patches={"custom_partitioner_fn": _Partitioner(), "fx_graph_cache": False},
-            )
-
-    def _compile_plain(self, g: BackendGraph) -> Callable[..., Any]:
-        """``g`` compiled without this pass (AOTAutograd's or Inductor's own partition)."""
-        if g.plain is None:
-            g.plain = "un-rewritten"
-        if self.options.compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(g.gm, g.example_inputs)
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
-
-        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                            keep_inference_input_mutations=True)(g.gm, g.example_inputs)
-
-    # -- AOTAutograd partition
-    def partition(
-        self,
-        joint: fx.GraphModule,
-        joint_inputs: Any,
-        *,
-        num_fwd_outputs: int,
-        **kwargs: Any,
-    ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """AOTAutograd's ``partition_fn``: the joint graph -> (forward, backward).
-
-        Args:
-            joint: AOTAutograd's joint graph (``primals_*`` then ``tangents_*``).
-            joint_inputs: its example inputs (unused).
-            num_fwd_outputs: forward outputs among the joint's outputs.
-            kwargs: ``static_lifetime_input_indices`` (parameters; used only for labels).
-
-        Returns:
-            ``(forward, backward)`` in AOTAutograd's calling convention (``aot_graphs``).
-
-        Raises:
-            InvalidSchedule: K / N outside the range of the graph's layer stack.
-            InfeasibleBudget: ``optimized`` and no schedule fits the budget (a graph
-                that holds the whole step; otherwise decided after the first step).
-            UnsupportedGraph: RNG functionalization is on (seed / offset placeholders),
-                or the joint mutates a value in place.
-        """
-        start = time.perf_counter()
-        g = self._building or BackendGraph(CompileInfo(f"graph{self._count}", None, (), None, self._seen_break),
-                                           joint, [])
-        info = g.info
-        static = tuple(kwargs.get("static_lifetime_input_indices") or ())
-        joint_graph, mutations = dynamo_joint(joint, num_fwd_outputs, static, info.labels, info.graph_id)
-        stack = graph_layer_stack(joint_graph, info, self.options, self.reports)
-        devices = {v.device.type for v in joint_graph.primal_values if isinstance(v, torch.Tensor)}
-        g.allocator = "cuda" if "cuda" in devices else "cpu"
-        if g.schedule is not None:
-            sched = g.schedule
-        elif self.options.op_level and stack.num_layers:
-            sched = self._scheduler.op_level(joint_graph, stack, g.allocator, info.graph_id, info.partial)
-        elif self.options.schedule == "optimized" and stack.num_layers:
-            sched = self._scheduler.optimized(joint_graph, stack, info.graph_id, info.frame_id, info.partial,
-                                              g.allocator, self.reports)
-        else:
-            sched = self.options.make_schedule(stack.layers_per_stack if stack.stack_spans else stack.num_layers)
-        step = rewrite(joint_graph, stack, sched)
-        fw, bw = aot_graphs(step, mutations)
-        for gm in (fw, bw):  # the layer of every node, for Inductor's fusion choices
-            for n in gm.graph.nodes:
-                n.meta["remat_layer"] = step.layer_of.get(n.name)
-        g.joint, g.stack, g.step, g.param_indices = joint_graph, stack, step, static
-        g.symbols = symbol_sources(joint_graph.primal_values)
-        g.hints = shape_hints(joint_graph)
-        g.liveness.clear()
-        g.report = graph_report(info, step, stack, joint_graph, num_fwd_outputs, g.allocator, self._scheduler,
-                                time.perf_counter() - start)
-        self.reports.append(g.report)
+    def _take_reports(self, reports: Sequence[GraphReport]) -> None:
         folder = self.report_dir
-        if folder is not None:
-            self.files += write_graph_report(folder, g.report)
-        self._warn_graph_breaks()
-        return fw, bw
+        for r in reports:
+            self.reports.append(r)
+            if folder is not None:
+                self.files += write_graph_report(folder, r)
+            self._warn_graph_breaks()
+
+    def _install(self, states: dict[str, GraphState]) -> None:
+        """Make ``states`` the graphs' current ones; Dynamo's callable of each graph
+        whose compile changed runs the new one from its next call."""
+        for gid, state in states.items():
+            if state.run is not self._graphs[gid].run:
+                self._callables[gid].replace(state.run)
+            self._graphs[gid] = state
 
     # -- the step
+    def _step_ended(self, rec: RecordedStep) -> None:
+        """The recorder's event: a step ended (``steps.end_step``); after the first
+        composed step, re-planned (``steps.replan_step``), written and warned of."""
+        if rec.problems:
+            self._not_composable("; ".join(rec.problems))
+        ended = end_step(self._records, self._graphs, rec, self._scheduler)
+        self._records = ended.records
+        self._install(ended.recorded)
+        if not ended.first:
+            return
+        report = ended.report
+        if self.options.schedule == "optimized":
+            replanned = replan_step(self._graphs, rec, report, self._scheduler, tuple(self.reports))
+            self._install(replanned.states)
+            if replanned.planned:  # the graphs may have changed: compose the next steps anew
+                self._records = dataclasses.replace(self._records, composed={})
+            self._take_reports(replanned.reports)
+            report = replanned.report
+        folder = self.report_dir
+        if folder is not None:
+            self.files += write_step(folder, report)
+        if len(rec.calls) > 1:
+            warnings.warn(self.graph_breaks(), GraphBreakWarning, stacklevel=2)
+
+    def _not_composable(self, why: str) -> None:
+        """The recorder's (or a step's) event: a step cannot be composed (``why``);
+        ``steps.not_composable`` raises or every graph falls back."""
+        self._install(not_composable(self._graphs, why, self.options))
+        self._records = dataclasses.replace(self._records, composed={})  # no step of these graphs is composed any more
+
     def step_report(self, shape: Sequence[int] | None = None) -> StepReport | None:
         """The composed report of the latest training step (None before a step has
-        ended, or when its graphs run un-rewritten); ``BackendSteps.step_report``.
+        ended, or when its graphs run un-rewritten); ``StepRecords.step_report``.
 
         Args:
             shape: the shape of the step's first non-parameter input (``ids.shape``):
@@ -349,13 +255,16 @@ class RematBackend:
         Raises:
             KeyError: no step ran with ``shape`` (the message lists the shapes seen).
         """
-        return self._steps.step_report(shape)
+        return self._records.step_report(shape)
 
     def graph_breaks(self) -> str:
         """``compiled_graphs.describe_graph_breaks`` of the latest graph of every frame
-        and, once a step has run, the bytes the breaks cost there
-        (``BackendSteps.graph_breaks``)."""
-        return self._steps.graph_breaks()
+        (empty when all training graphs come from one frame) and, once a step has run,
+        the step's peak and the bytes the breaks cost there (``break_text``)."""
+        text = describe_graph_breaks(self.reports)
+        if text and self._records.first_step is not None:
+            text += "\n  " + break_text(self._records.first_step)
+        return text
 
     def _warn_graph_breaks(self) -> None:
         text = self.graph_breaks()

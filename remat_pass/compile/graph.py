@@ -1,6 +1,6 @@
-"""One training graph as the torch.compile backend holds it: what Dynamo says of it
-(``CompileInfo``), its state (``BackendGraph``), its layer stack and GraphReport, the
-report files; the backend's warnings."""
+"""One training graph of the torch.compile backend: what Dynamo says of it
+(``CompileInfo``), its layer stack and GraphReport, the report files; the backend's
+warnings. (Its state and transitions: ``graph_state``.)"""
 
 from __future__ import annotations
 
@@ -9,24 +9,21 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx as fx
 
-from ..recompute import schedule as schedules
 from .options import REPORT_DIR_ENV, BackendOptions
 from .compiled_graphs import GraphReport, graph_markdown
 from ..errors import LayerStackNotFound
 from .graph_schedule import GraphScheduler
-from .graph_transforms import boundary_bytes, concrete_step, size_hint
+from .graph_transforms import boundary_bytes
+from ..liveness.symbolic_sizes import concrete_step, size_hint
 from ..report.inspection import dump_step
 from ..liveness.timeline import analyze
-from ..recompute.partition import Partition
 from ..graph.regions import LayerStack, assign_layers_in_graph, forward_node_names
 from ..recompute.rewrite import RewrittenStep
-from ..liveness.step_flow import GraphLiveness
-from .step_recorder import RecordedGraph
 from ..graph.trace import JointGraph
 
 
@@ -62,36 +59,6 @@ class CompileInfo:
     partial: bool
 
 
-@dataclasses.dataclass
-class BackendGraph:
-    """The backend's state of one compiled training graph (what a recompile, the step
-    composition and the Inductor model need)."""
-
-    info: CompileInfo
-    gm: fx.GraphModule
-    example_inputs: list[Any]
-    joint: JointGraph | None = None
-    stack: LayerStack | None = None
-    step: RewrittenStep | None = None  # as rewritten (sizes may be symbolic)
-    report: GraphReport | None = None
-    allocator: str = "cpu"
-    param_indices: tuple[int, ...] = ()
-    output_joint: tuple[int | None, ...] = ()
-    output_tangent: tuple[int | None, ...] = ()
-    symbols: tuple[tuple[int, int | None, Any], ...] = ()
-    hints: dict[Any, int] = dataclasses.field(default_factory=dict)
-    code: dict[str, str] = dataclasses.field(default_factory=dict)  # "forward" / "backward" -> Inductor code
-    schedule: schedules.Schedule | Partition | None = None  # forced by the step planner
-    plain: str | None = None  # why it runs un-rewritten (on_error="fallback")
-    recorded: RecordedGraph | None = None
-    liveness: dict[str, GraphLiveness] = dataclasses.field(default_factory=dict)
-
-    @property
-    def graph_id(self) -> str:
-        """Dynamo's id of this graph (``"0/1"``: frame 0, graph 1), from its CompileInfo."""
-        return self.info.graph_id
-
-
 def compile_info(gm: fx.GraphModule, graph_id: str, frame: int | None, seen_break: bool) -> CompileInfo:
     """The CompileInfo of the Dynamo graph ``gm`` (``graph_id``, ``frame``: its compile id;
     ``seen_break``: an earlier graph ended at a graph break)."""
@@ -107,27 +74,6 @@ def compile_info(gm: fx.GraphModule, graph_id: str, frame: int | None, seen_brea
         graph_break=(str(reason.reason).splitlines()[0] + where) if ends_at_break else None,
         partial=ends_at_break or seen_break,  # after a break, part of the stack
     )
-
-
-
-def fallback_warning(g: BackendGraph, error: Exception) -> None:
-    """Mark ``g`` as running un-rewritten because of ``error`` and warn
-    (``RematFallbackWarning``, pointing at the caller's caller)."""
-    g.plain = f"{type(error).__name__}: {error}"
-    warnings.warn(f"remat-pass: graph {g.graph_id} runs un-rewritten (on_error='fallback') because "
-                  f"of {g.plain}", RematFallbackWarning, stacklevel=3)
-
-
-def shape_hints(joint: JointGraph) -> dict[Any, int]:
-    """The example value of every shape symbol of the graph (its compile-time hints)."""
-    for v in joint.primal_values:
-        env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
-        if env is None and isinstance(v, torch.SymInt):
-            env = v.node.shape_env
-        if env is not None:
-            hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
-            return {s: int(h) for s, h in hints.items()}
-    return {}
 
 
 def graph_layer_stack(joint: JointGraph, info: CompileInfo, options: BackendOptions,

@@ -4,14 +4,14 @@
 for one graph Dynamo captured: the memory model of a concrete step (calibrated on this
 CPU, else the formula table), the predicted report of a schedule, the optimized
 schedule under ``budget_bytes`` (``planner.Planner``), and the op-level Partition
-(``op_planner.OpPlanner``, or a module-kind / save policy). The backend
-(``backend.RematBackend``) composes the graphs of a step; this module sees one graph,
-and keeps each graph's op-level planner and choice (``op_plans``) for the step's
-re-planning (``step_planning``).
+(``op_planner.OpPlanner``, or a module-kind / save policy) with the planner and its
+choice (``OpPlan``, which the step's re-planning, ``step_planning``, starts from).
+This module sees one graph; ``graph_state.plan`` keeps its answer in the graph's state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from ..recompute import schedule as schedules
@@ -19,7 +19,7 @@ from .options import BackendOptions
 from ..memory.calibration import Calibrator
 from .compiled_graphs import GraphReport
 from ..errors import InfeasibleBudget, UnsupportedGraph
-from .graph_transforms import concrete_step, is_symbolic_tensor
+from ..liveness.symbolic_sizes import concrete_step, is_symbolic_tensor
 from ..liveness.timeline import MemoryReport, analyze
 from ..memory.memory_model import MemoryModel
 from solvers import Solution, model_peak
@@ -33,14 +33,23 @@ from ..recompute.rewrite import rewrite
 from ..graph.trace import JointGraph
 
 
+@dataclasses.dataclass(frozen=True)
+class OpPlan:
+    """A graph's op-level optimum as planned alone: its planner (calibrated on the graph)
+    and the chain-model Solution chosen (groups, per-layer options)."""
+
+    planner: OpPlanner
+    solution: Solution
+
+
 class GraphScheduler:
     """The schedule of one compiled graph under the backend's options (see the module
-    docstring); the calibrator is made on first use and kept for every graph."""
+    docstring); the calibrator is made on first use and kept for every graph (a cache,
+    the one state the scheduler holds)."""
 
     def __init__(self, options: BackendOptions):
         self.options = options
         self._calibrator: Calibrator | None = None
-        self.op_plans: dict[str, tuple[OpPlanner, Solution]] = {}  # graph id -> planner, its choice
 
     def memory_model(self, step: Any, allocator: str) -> MemoryModel:
         """The memory model of a concrete step: op scratch calibrated on this CPU
@@ -94,13 +103,13 @@ class GraphScheduler:
             return planner.least_feasible()[0]
 
     def op_level(self, joint: JointGraph, stack: LayerStack, allocator: str, graph_id: str,
-                 partial: bool = False) -> Partition:
+                 partial: bool = False) -> tuple[Partition, OpPlan | None]:
         """The op-level Partition of this graph: the op-level optimum under
-        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only; the planner and
-        its choice are kept in ``op_plans[graph_id]``), or the recompute modules / save
-        policy in the layers the schedule stores. A graph that may be part of a step of
-        several graphs (``partial``) whose least feasible peak is above the budget gets
-        its least feasible choice: the step decides after its first run.
+        ``budget_bytes`` (``op_planner.OpPlanner``, concrete sizes only; returned with
+        its OpPlan), or the recompute modules / save policy in the layers the schedule
+        stores (no OpPlan). A graph that may be part of a step of several graphs
+        (``partial``) whose least feasible peak is above the budget gets its least
+        feasible choice: the step decides after its first run.
 
         Raises:
             InfeasibleBudget: the budget is below the least feasible peak of a graph
@@ -124,9 +133,8 @@ class GraphScheduler:
                 if not partial:
                     raise
                 solution = planner.least_feasible().solution
-            self.op_plans[graph_id] = (planner, solution)
-            return planner.partition(solution)
+            return planner.partition(solution), OpPlan(planner, solution)
         groups = o.make_schedule(stack.num_layers)
         if o.recompute_modules:
-            return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups)
-        return save_policy(joint, stack, o.policy, o.policy_names, groups)
+            return recompute_modules(joint, stack, o.recompute_modules, dict(o.module_names), groups), None
+        return save_policy(joint, stack, o.policy, o.policy_names, groups), None

@@ -1,5 +1,7 @@
-"""Pure transforms of fx graphs for the torch.compile backend: AOTAutograd's calling
-convention, the input-mutation epilogue, concrete sizes for analysis.
+"""Pure transforms of fx graphs for the torch.compile backend: AOTAutograd's joint graph
+read as a JointGraph, its input-mutation epilogue, its calling convention, the roles of
+its outputs, the bytes a graph's forward outputs hold. (Sizes of symbolic shapes, at the
+example or at a step's shapes, are ``liveness.symbolic_sizes``'.)
 
 Each function takes graphs and returns new ones (inputs are never modified); they hold
 no state and know nothing of Dynamo.
@@ -7,13 +9,10 @@ no state and know nothing of Dynamo.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..errors import UnsupportedGraph
 from ..recompute.rewrite import RewrittenStep
@@ -24,60 +23,6 @@ def is_sym_node(node: Any) -> bool:
     """Whether ``node``'s value is a SymInt / SymFloat / SymBool or a Python number."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
-
-
-def is_symbolic_tensor(val: Any) -> bool:
-    """Whether ``val`` is a tensor with a symbolic size, stride or offset."""
-    return isinstance(val, torch.Tensor) and any(
-        not isinstance(d, int) for d in (*val.shape, *val.stride(), val.storage_offset())
-    )
-
-
-def size_hint(x: Any) -> int:
-    """The example value of a (possibly symbolic) size; adds no guard."""
-    return int(optimization_hint(x, fallback=1))
-
-
-def concrete_step(step: RewrittenStep) -> tuple[RewrittenStep, bool]:
-    """``step`` with symbolic sizes replaced by their hints (meta tensors), aliasing kept.
-
-    Returns ``(step, False)`` unchanged when every size is an int. Adds no guard.
-    """
-    graphs = (step.forward.graph, step.backward.graph)
-    if not any(is_symbolic_tensor(n.meta.get("val")) for g in graphs for n in g.nodes):
-        return step, False
-    bases: dict[int, torch.Tensor] = {}
-
-    def concrete(val: Any) -> Any:
-        if isinstance(val, (tuple, list)):
-            return type(val)(concrete(v) for v in val)
-        if not isinstance(val, torch.Tensor):
-            return val
-        storage = val.untyped_storage()
-        key = storage._cdata
-        if key not in bases:
-            bases[key] = torch.empty(size_hint(storage.nbytes()), dtype=torch.uint8, device="meta")
-        out = torch.empty((), dtype=val.dtype, device="meta")
-        out.set_(
-            bases[key].untyped_storage(),
-            size_hint(val.storage_offset()),
-            [size_hint(d) for d in val.shape],
-            [size_hint(s) for s in val.stride()],
-        )
-        return out
-
-    def copy(gm: fx.GraphModule) -> fx.GraphModule:
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        out = g.graph_copy(gm.graph, env)
-        g.output(out)
-        for old, new in env.items():
-            new.meta = dict(old.meta)
-            if "val" in old.meta:
-                new.meta["val"] = concrete(old.meta["val"])
-        return fx.GraphModule(gm, g, class_name=type(gm).__name__)
-
-    return dataclasses.replace(step, forward=copy(step.forward), backward=copy(step.backward)), True
 
 
 def split_input_mutations(
@@ -347,48 +292,3 @@ def output_roles(fw_metadata: Any, num_fwd_outputs: int, num_tangents: int
     return tuple(joint), tuple(tangent)
 
 
-def symbol_sources(primal_values: Sequence[Any]) -> tuple[tuple[int, int | None, Any], ...]:
-    """Where each shape symbol of a graph is read from at run time: ``(input index, dim,
-    symbol)`` for a tensor input whose dimension ``dim`` is a plain symbol, ``(input
-    index, None, symbol)`` for a SymInt input. Empty for a graph with static shapes."""
-    out, seen = [], set()
-    for i, v in enumerate(primal_values):
-        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
-            cands = [(None, v.node.expr)]
-        elif isinstance(v, torch.Tensor):
-            cands = [(d, s.node.expr) for d, s in enumerate(v.shape)
-                     if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]
-        else:
-            cands = []
-        for d, sym in cands:
-            if sym not in seen:
-                seen.add(sym)
-                out.append((i, d, sym))
-    return tuple(out)
-
-
-def symbolic_size(value: Any) -> Any:
-    """An int, or the sympy expression of a SymInt (its shape environment's canonical
-    form), for sizes evaluated later at the shapes of a step (``evaluate_size``)."""
-    if isinstance(value, torch.SymInt):
-        expr = value.node.expr
-        env = value.node.shape_env
-        return env.replace(expr) if env is not None else expr
-    return int(value)
-
-
-def evaluate_size(size: Any, values: dict[Any, int], hints: dict[Any, int] | None = None) -> int:
-    """``size`` (an int or a sympy expression of ``symbolic_size``) at the symbol values
-    ``values``; symbols not among them take their ``hints`` (the compile-time example).
-
-    Raises:
-        ValueError: a symbol has neither a value nor a hint.
-    """
-    if isinstance(size, int):
-        return size
-    e = size.xreplace({s: sympy.Integer(v) for s, v in values.items()})
-    if e.free_symbols and hints:
-        e = e.xreplace({s: sympy.Integer(v) for s, v in hints.items() if s in e.free_symbols})
-    if e.free_symbols:
-        raise ValueError(f"size {size} depends on {sorted(map(str, e.free_symbols))}, which have no value")
-    return int(e)

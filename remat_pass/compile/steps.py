@@ -1,8 +1,18 @@
-"""The training steps of a model the torch.compile backend compiled: each step's graph
-calls composed into one timeline (``StepReport``, ``step_flow``, ``step_composition``)
-and logged; after the first step, the schedules of all graphs re-planned against the
-composed step (``step_planning``) and the graphs whose schedule
-changed recompiled; the step's report files."""
+"""The training steps of the graphs the torch.compile backend compiled, as transitions of
+their states (``graph_state``) and of the step records.
+
+- ``end_step``: a recorded step (``step_recorder.RecordedStep``) -> its graphs recorded
+  (``graph_state.record``), the step composed into one timeline (``compose``:
+  ``StepReport``, ``step_flow``, ``step_composition``) and logged in the StepRecords.
+- ``replan_step``: after the first step, with ``schedule="optimized"``, the schedules of
+  all graphs re-planned against the composed step (``step_planning``, whole layers or,
+  with ``granularity="op"``, op-level choices) and the graphs whose schedule changed
+  compiled again (``graph_state.replan``, ``graph_compile.compile_graph``).
+- ``not_composable``: a step that cannot be composed raises StepNotComposable, or
+  (``on_error="fallback"``) every graph falls back (``graph_compile.fall_back``).
+
+``write_step`` writes the step's report files.
+"""
 
 from __future__ import annotations
 
@@ -10,32 +20,31 @@ import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.fx as fx
 
 from solvers.errors import infeasible
 
-from ..recompute import schedule as schedules
-from .graph import BackendGraph, GraphBreakWarning, RematFallbackWarning, fallback_warning, report_folder
-from .options import BackendOptions
-from .compiled_graphs import GraphReport, describe_graph_breaks
-from ..graph.costs import storage_nbytes
 from ..errors import StepNotComposable
 from ..formatting import fmt_bytes
-from .graph_schedule import GraphScheduler
-from .graph_transforms import concrete_step, evaluate_size, symbolic_size
-from .inductor_memory import code_liveness
-from ..liveness.intervals import storage_bytes
-from ..recompute.partition import Partition
-from ..report.schedule_report import write_report
-from ..recompute.rewrite import RewrittenStep
-from ..liveness.step_flow import GraphCall, GraphLiveness, graph_liveness
+from ..liveness.step_flow import GraphCall
+from ..liveness.symbolic_sizes import evaluate_size
 from ..plan.planner import Planner
 from ..plan.step_planning import OpLevelGraph, WholeLayerGraph, plan_step
+from ..recompute import schedule as schedules
+from ..recompute.partition import Partition
+from ..recompute.rewrite import RewrittenStep
+from ..report.schedule_report import write_report
+from ..report.step_report import CallSummary, StepReport, build_step_report, step_markdown
+from .compiled_graphs import GraphReport
+from .graph import RematFallbackWarning
+from .graph_compile import compile_graph, fall_back
+from .graph_schedule import GraphScheduler
+from .options import BackendOptions
+from .graph_state import (Compiled, GraphState, Plain, Planned, Recorded, liveness_model, record, replan,
+                          step_liveness)
 from .step_recorder import RecordedStep
-from ..report.step_report import CallSummary, StepReport, break_text, build_step_report, step_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -52,245 +61,270 @@ class StepLogEntry:
     note: str = ""
 
 
-class BackendSteps:
-    """The steps of the graphs a RematBackend compiled (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class StepRecords:
+    """The steps run so far.
 
     Attributes:
         log: one StepLogEntry per training step run.
-        first_step: the composed report of the first step (None before it ended).
-
-    Args:
-        options: the backend's options.
-        scheduler: the backend's GraphScheduler (memory models, predictions, op plans).
-        graphs: the backend's training graphs by id (filled as they compile).
-        reports: the backend's GraphReports, in compile order.
-        files: the backend's list of report files written (the step's are added).
-        compile: compiles a graph rewritten (its ``schedule`` forced by the step plan).
-        compile_plain: compiles a graph un-rewritten.
+        signatures: the ``RecordedStep.signature()`` of each entry of ``log``.
+        composed: the composed StepReport by signature (emptied when graphs change:
+            the next steps are composed anew). Never modified: a transition returns new
+            StepRecords with a new dict.
+        first_step: the composed report of the first step, as it ran (None before it
+            ended).
     """
 
-    def __init__(self, options: BackendOptions, scheduler: GraphScheduler, graphs: dict[str, BackendGraph],
-                 reports: list[GraphReport], files: list[Path],
-                 compile: Callable[[BackendGraph], Callable[..., Any]],
-                 compile_plain: Callable[[BackendGraph], Callable[..., Any]]):
-        self.options = options
-        self.log: list[StepLogEntry] = []
-        self.first_step: StepReport | None = None
-        self._scheduler = scheduler
-        self._graphs = graphs
-        self._reports = reports
-        self._files = files
-        self._compile = compile
-        self._compile_plain = compile_plain
-        self._steps: dict[tuple, StepReport] = {}  # by RecordedStep.signature()
-        self._signatures: list[tuple] = []  # per log entry
+    log: tuple[StepLogEntry, ...] = ()
+    signatures: tuple[tuple, ...] = ()
+    composed: Mapping[tuple, StepReport] = dataclasses.field(default_factory=dict)
+    first_step: StepReport | None = None
 
     def step_report(self, shape: Sequence[int] | None = None) -> StepReport | None:
         """``RematBackend.step_report``: the latest step's composed report, or the
-        latest one whose input had ``shape``; KeyError (naming the shapes seen) when none
-        did."""
+        latest one whose input had ``shape``.
+
+        Raises:
+            KeyError: no step ran with ``shape`` (the message names the shapes seen).
+        """
         want = None if shape is None else tuple(shape)
-        for entry, sig in zip(reversed(self.log), reversed(self._signatures)):
+        for entry, sig in zip(reversed(self.log), reversed(self.signatures)):
             if want is None or (entry.input_shapes and entry.input_shapes[0] == want):
-                return self._steps.get(sig)
+                return self.composed.get(sig)
         if want is None:
             return None
         seen = sorted({e.input_shapes[0] for e in self.log if e.input_shapes})
         raise KeyError(f"no step ran with input shape {list(want)}; shapes seen: {[list(s) for s in seen]}")
 
-    def step_ended(self, rec: RecordedStep) -> None:
-        """A step ended: compose it, log it; after the first, re-plan and warn."""
-        sig = rec.signature()
-        first = rec.calls[0] if rec.calls else None
-        shapes = tuple(s for s in (first.shapes if first else ()) if isinstance(s, tuple))
-        report, note = self._steps.get(sig), ""
-        if rec.problems:
-            note = "; ".join(rec.problems)
-            self.not_composable(note)
-        elif report is None:
-            plain = [g.graph_id for g in self._graphs.values() if g.plain]
-            missing = [c.graph_id for c in rec.calls if c.graph_id not in self._graphs]
-            if plain or missing:
-                note = f"graphs {plain or missing} run un-rewritten or were not recorded"
-            else:
-                report = self._compose(rec)
-                self._steps[sig] = report
-        self.log.append(StepLogEntry(rec.index, shapes, report.peak_bytes if report else None, note))
-        self._signatures.append(sig)
-        if report is not None:
-            logger.info("remat-pass step %d, input shapes %s: predicted step peak %s", rec.index,
-                        [list(s) for s in shapes], fmt_bytes(report.peak_bytes))
-        if report is not None and self.first_step is None:
-            self.first_step = report
-            self._after_first_step(rec, report)
 
-    def not_composable(self, why: str) -> None:
-        """The step cannot be composed (``why``): raise StepNotComposable, or with
-        ``on_error="fallback"`` warn and recompile every recorded graph un-rewritten."""
-        error = StepNotComposable(
-            f"the training step cannot be composed into one timeline: {why}. The backend models "
-            "one forward of every graph, then one loss.backward() running their backwards in "
-            "reverse (autograd's order); call backward once per step on one loss, or compile with "
-            "on_error='fallback' to run the graphs un-rewritten")
-        if self.options.on_error != "fallback":
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """What ``end_step`` ends in: the step records with the step logged, the graphs of
+    the step recorded, and the step's composed report (None: not composed) with
+    ``first`` True when it is the first step composed."""
+
+    records: StepRecords
+    recorded: dict[str, Recorded]
+    report: StepReport | None
+    first: bool
+
+
+def end_step(records: StepRecords, states: Mapping[str, GraphState], rec: RecordedStep,
+             scheduler: GraphScheduler) -> StepEnd:
+    """A step ended: its graphs recorded and the step composed (unless a step of the same
+    signature was: its report is taken), then logged. Not composed (a note instead):
+    ``rec.problems`` (see ``not_composable``), or a graph of it runs un-rewritten or
+    was not recorded."""
+    sig = rec.signature()
+    first = rec.calls[0] if rec.calls else None
+    shapes = tuple(s for s in (first.shapes if first else ()) if isinstance(s, tuple))
+    report, note, recorded = records.composed.get(sig), "", {}
+    if rec.problems:
+        note = "; ".join(rec.problems)
+    elif report is None:
+        plain = [gid for gid, s in states.items() if isinstance(s, Plain)]
+        missing = [c.graph_id for c in rec.calls if c.graph_id not in states]
+        if plain or missing:
+            note = f"graphs {plain or missing} run un-rewritten or were not recorded"
+        else:
+            recorded = record_step(states, rec, scheduler)
+            report = compose({**states, **recorded}, rec, scheduler)
+            records = dataclasses.replace(records, composed={**records.composed, sig: report})
+    records = dataclasses.replace(records, log=(*records.log, StepLogEntry(
+        rec.index, shapes, report.peak_bytes if report else None, note)), signatures=(*records.signatures, sig))
+    if report is not None:
+        logger.info("remat-pass step %d, input shapes %s: predicted step peak %s", rec.index,
+                    [list(s) for s in shapes], fmt_bytes(report.peak_bytes))
+    is_first = report is not None and records.first_step is None
+    if is_first:
+        records = dataclasses.replace(records, first_step=report)
+    return StepEnd(records, recorded, report, is_first)
+
+
+def record_step(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler
+                ) -> dict[str, Recorded]:
+    """Every graph called in ``rec`` recorded (``graph_state.record``); each must be
+    Compiled or Recorded."""
+    return {c.graph_id: record(states[c.graph_id], scheduler) for c in rec.calls}
+
+
+def _binding(symbols: Sequence[tuple[int, int | None, Any]], shapes: Sequence[Any]) -> dict[Any, int]:
+    """The value of each shape symbol at a call's input ``shapes`` (``symbol_sources``)."""
+    values = {}
+    for i, dim, sym in symbols:
+        s = shapes[i] if i < len(shapes) else None
+        if dim is None and isinstance(s, int):
+            values[sym] = s
+        elif dim is not None and isinstance(s, tuple) and dim < len(s):
+            values[sym] = s[dim]
+    return values
+
+
+def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler,
+            steps: Mapping[str, RewrittenStep] | None = None) -> StepReport:
+    """The StepReport of a recorded step whose graphs are all Recorded in ``states``,
+    every size evaluated at the shapes of the call (``evaluate_size``); ``steps``
+    replaces graphs' rewrites (a step planner's candidates, their fx liveness)."""
+    steps = steps or {}
+    options = scheduler.options
+    kept = rec.grad_kept_in_order()
+    calls, summaries, seen = [], [], {}
+    for c, k in zip(rec.calls, kept):
+        g = states[c.graph_id]
+        assert isinstance(g, Recorded), f"graph {c.graph_id} is not recorded"
+        p = g.planned
+        seen[c.graph_id] = seen.get(c.graph_id, 0) + 1
+        label = c.graph_id if seen[c.graph_id] == 1 else f"{c.graph_id}#{seen[c.graph_id]}"
+        values = _binding(p.symbols, c.shapes)
+        live = (step_liveness(p, steps[c.graph_id], scheduler) if c.graph_id in steps
+                else g.liveness[liveness_model(g, options)])
+        live = live.map_sizes(lambda b: evaluate_size(b, values, p.hints))
+        calls.append(GraphCall(live, label, c.inputs_from, g.compiled.output_joint, g.compiled.output_tangent, k))
+        summaries.append(CallSummary(label, c.graph_id, p.report.schedule, p.report.layers, c.shapes,
+                                     p.report.peak_bytes))
+    model = "inductor" if options.compiler == "inductor" else "fx"
+    notes = [f"eager code between graphs ({', '.join(rec.eager_inputs)})"] if rec.eager_inputs else []
+    if model == "inductor" and (steps or any(liveness_model(states[c.graph_id], options) == "fx"
+                                             for c in rec.calls)):
+        model = "fx"
+        if not steps:
+            notes.append("Inductor's code was not captured; the fx graphs are used")
+    return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReplan:
+    """What ``replan_step`` ends in: every graph's state (the re-planned ones compiled
+    again and recorded), the GraphReports of those compiles in order, the step composed
+    with them, and whether a step plan was made (then the composed steps so far are
+    dropped: the next ones are composed anew)."""
+
+    states: dict[str, GraphState]
+    reports: tuple[GraphReport, ...]
+    report: StepReport
+    planned: bool
+
+
+def replan_step(states: Mapping[str, GraphState], rec: RecordedStep, report: StepReport,
+                scheduler: GraphScheduler, earlier: Sequence[GraphReport]) -> StepReplan:
+    """The graphs of the first composed step ``rec`` (``report``) re-planned against it
+    (``schedule="optimized"``): every graph's schedule (``_layer_plan``) or op-level
+    choice (``_op_plan``) chosen so that the composed step fits ``budget_bytes``, the
+    graphs whose schedule changed compiled again (under grad mode: a training graph,
+    recompiled at the end of a backward), and the step composed anew (``report`` itself
+    when a graph's compile fell back: the step is not composable any more).
+
+    Args:
+        states: every graph's state (those of ``rec`` Recorded).
+        rec, report: the first composed step and its report.
+        scheduler: the backend's GraphScheduler.
+        earlier: the GraphReports so far (the recompiles' follow).
+
+    Raises:
+        InfeasibleBudget: the budget is below the least feasible step peak
+            (``on_error="fallback"``: a RematFallbackWarning, and the least feasible
+            schedules run).
+    """
+    options = scheduler.options
+    plan = _op_plan(states, rec, scheduler) if options.op_level else _layer_plan(states, rec, scheduler)
+    if plan is None:
+        return StepReplan(dict(states), (), report, False)
+    changed, feasible, least_peak, least = plan
+    if not feasible:
+        error = infeasible(int(options.budget_bytes), least_peak, f"the step with {least}")
+        if options.on_error != "fallback":
             raise error
-        for g in self._graphs.values():
-            if g.plain is None and g.recorded is not None:
-                fallback_warning(g, error)
-                # a training graph, recompiled from inside a backward, where grad mode is
-                # off (AOTAutograd would compile an inference graph)
-                with torch.enable_grad():
-                    g.recorded.replace(self._compile_plain(g))
-        self._steps.clear()  # no step of these graphs is composed any more
-
-    def _binding(self, g: BackendGraph, shapes: Sequence[Any]) -> dict[Any, int]:
-        values = {}
-        for i, dim, sym in g.symbols:
-            s = shapes[i] if i < len(shapes) else None
-            if dim is None and isinstance(s, int):
-                values[sym] = s
-            elif dim is not None and isinstance(s, tuple) and dim < len(s):
-                values[sym] = s[dim]
-        return values
-
-    def _liveness(self, g: BackendGraph, step: RewrittenStep | None = None) -> GraphLiveness:
-        """The graph's liveness for the step (sizes symbolic where the graph's are):
-        from Inductor's code when it was captured, else from the fx graphs; ``step``:
-        another rewrite of the graph (the step planner's candidates, fx)."""
-        if step is not None:
-            # op scratch as the per-graph reports count it (calibrated where the sizes are
-            # concrete; a node with symbolic sizes falls back to the memory model's rule)
-            memory = self._scheduler.memory_model(concrete_step(step)[0], g.allocator)
-
-            def scratch_of(n: fx.Node) -> Any:
-                m = memory.node_memory(n)
-                return symbolic_size(0 if m is None else m.scratch_bytes)
-
-            return graph_liveness(g.graph_id, step, lambda v: symbolic_size(_storage_size(v, g.allocator)),
-                                  scratch_of)
-        model = "inductor" if self.options.compiler == "inductor" and "backward" in g.code else "fx"
-        if model not in g.liveness:
-            fx_model = g.liveness.get("fx") or self._liveness(g, g.step)
-            g.liveness["fx"] = fx_model
-            if model == "inductor":
-                dtypes = {n.name: n.meta["val"].dtype for gm in (g.step.forward, g.step.backward)
-                          for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
-                g.liveness[model] = code_liveness(
-                    g.graph_id, g.code["forward"], g.code["backward"], g.step.num_fwd_outputs,
-                    fx_model.tangent_nbytes, dtypes, {str(sym): sym for sym in g.hints}, len(g.joint.primals))
-        return g.liveness[model]
-
-    def _compose(self, rec: RecordedStep, steps: dict[str, RewrittenStep] | None = None) -> StepReport:
-        """The StepReport of a recorded step; ``steps`` replaces graphs' rewrites."""
-        steps = steps or {}
-        kept = rec.grad_kept_in_order()
-        calls, summaries, seen = [], [], {}
-        for c, k in zip(rec.calls, kept):
-            g = self._graphs[c.graph_id]
-            seen[c.graph_id] = seen.get(c.graph_id, 0) + 1
-            label = c.graph_id if seen[c.graph_id] == 1 else f"{c.graph_id}#{seen[c.graph_id]}"
-            values = self._binding(g, c.shapes)
-            live = self._liveness(g, steps.get(c.graph_id)).map_sizes(lambda b: evaluate_size(b, values, g.hints))
-            calls.append(GraphCall(live, label, c.inputs_from, g.output_joint, g.output_tangent, k))
-            summaries.append(CallSummary(label, g.graph_id, g.report.schedule, g.report.layers, c.shapes,
-                                         g.report.peak_bytes))
-        model = "inductor" if self.options.compiler == "inductor" else "fx"
-        notes = [f"eager code between graphs ({', '.join(rec.eager_inputs)})"] if rec.eager_inputs else []
-        if model == "inductor" and (steps or any("backward" not in self._graphs[c.graph_id].code
-                                                 for c in rec.calls)):
-            model = "fx"
-            if not steps:
-                notes.append("Inductor's code was not captured; the fx graphs are used")
-        return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes)
-
-    def _after_first_step(self, rec: RecordedStep, report: StepReport) -> None:
-        if self.options.schedule == "optimized":
-            report = self._replan_op_level(rec, report) if self.options.op_level else self._replan(rec, report)
-        self._write_step(report)
-        if len(rec.calls) > 1:
-            warnings.warn(self.graph_breaks(), GraphBreakWarning, stacklevel=2)
-
-    def _replan(self, rec: RecordedStep, report: StepReport) -> StepReport:
-        """Choose every graph's schedule against the composed step (``step_planning``,
-        whole layers, on the fx graphs) and recompile the graphs whose schedule changed.
-
-        Raises:
-            InfeasibleBudget: the budget is below the least feasible step peak
-                (``on_error="fallback"``: warned, and the least feasible schedules run).
-        """
-        graphs = {c.graph_id: self._graphs[c.graph_id] for c in rec.calls}
-        planned = [WholeLayerGraph(gid, Planner(g.joint, g.stack, self._graph_predict(g)), g.step.schedule)
-                   for gid, g in graphs.items() if g.stack is not None and g.stack.num_layers and g.plain is None]
-        if not planned:
-            return report
-        plan = plan_step(planned, lambda steps: self._compose(rec, steps).peak_bytes, int(self.options.budget_bytes))
-        least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
-        changed = {gid: s for gid, s in plan.choices.items() if s != graphs[gid].step.schedule}
-        return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
-
-    def _graph_predict(self, g: BackendGraph) -> Callable[[schedules.Schedule], Any]:
-        """The graph's own predicted report of a schedule (its planner's predictor)."""
-        return lambda s: self._scheduler.predict(g.joint, g.stack, s, g.allocator)
-
-    def _replan_op_level(self, rec: RecordedStep, report: StepReport) -> StepReport:
-        """``granularity="op"``: every graph's op-level choice picked against the composed
-        step (``step_planning``, op level, on the fx graphs); the graphs whose choice changed
-        are recompiled.
-
-        Raises:
-            InfeasibleBudget: as ``_replan``.
-        """
-        graphs = {c.graph_id: self._graphs[c.graph_id] for c in rec.calls}
-        planned = [OpLevelGraph(gid, *self._scheduler.op_plans[gid]) for gid, g in graphs.items()
-                   if gid in self._scheduler.op_plans and g.plain is None and g.schedule is None]
-        if not planned:
-            return report
-        plan = plan_step(planned, lambda steps: self._compose(rec, steps).peak_bytes, int(self.options.budget_bytes))
-        least = ", ".join(f"{gid}: op-level options {s.options or 'all 0'}, groups {list(s.groups)}"
-                          for gid, s in plan.least_feasible.items())
-        changed = {p.graph_id: plan.decisions[p.graph_id] for p in planned if plan.choices[p.graph_id] != p.current}
-        return self._apply_step_plan(rec, changed, plan.feasible, plan.least_feasible_peak_bytes, least)
-
-    def _apply_step_plan(self, rec: RecordedStep, changed: dict[str, schedules.Schedule | Partition],
-                         feasible: bool, least_peak_bytes: int, least: str) -> StepReport:
-        """Raise (or warn) when the step plan does not fit, recompile the graphs whose
-        schedule ``changed``, and return the composed report of ``rec`` with them."""
-        if not feasible:
-            error = infeasible(int(self.options.budget_bytes), least_peak_bytes, f"the step with {least}")
-            if self.options.on_error != "fallback":
-                raise error
-            warnings.warn(f"remat-pass: {error}; running the least feasible schedules (on_error='fallback')",
-                          RematFallbackWarning, stacklevel=4)
-        for gid, sched in changed.items():
-            g = self._graphs[gid]
-            g.schedule = sched
-            with torch.enable_grad():  # a training graph, recompiled at the end of a backward
-                g.recorded.replace(self._compile(g))
-        self._steps.clear()  # the graphs changed: compose the next steps anew
-        return self._compose(rec)
-
-    def _write_step(self, report: StepReport) -> None:
-        folder = report_folder(self.options)
-        if folder is None:
-            return
-        js, md = folder / "step.json", folder / "step.md"
-        write_report(js, report.to_dict())
-        md.write_text(step_markdown(report), encoding="utf-8")
-        self._files += [js, md]
-
-    def graph_breaks(self) -> str:
-        """``compiled_graphs.describe_graph_breaks`` of the latest graph of every frame
-        (empty when all training graphs come from one frame), and once a step has run,
-        the step's peak and the bytes the breaks cost there."""
-        text = describe_graph_breaks(self._reports)
-        if text and self.first_step is not None:
-            text += "\n  " + break_text(self.first_step)
-        return text
+        warnings.warn(f"remat-pass: {error}; running the least feasible schedules (on_error='fallback')",
+                      RematFallbackWarning, stacklevel=4)
+    new, reports = dict(states), list(earlier)
+    for gid, sched in changed.items():
+        with torch.enable_grad():  # a training graph, recompiled at the end of a backward
+            result = compile_graph(replan(new[gid], sched), scheduler, reports)
+        new[gid] = result.state
+        reports += result.reports
+    reports = tuple(reports[len(earlier):])
+    if any(isinstance(new[c.graph_id], Plain) for c in rec.calls):
+        return StepReplan(new, reports, report, True)
+    new.update(record_step(new, rec, scheduler))
+    return StepReplan(new, reports, compose(new, rec, scheduler), True)
 
 
-def _storage_size(val: torch.Tensor, allocator: str) -> Any:
-    """Bytes of ``val``'s storage (a SymInt under dynamic shapes), rounded as the CUDA
-    allocator does for ``allocator="cuda"`` when concrete."""
-    n = storage_nbytes(val)
-    return storage_bytes(val, allocator) if isinstance(n, int) else n
+_Plan = tuple[dict[str, Any], bool, int, str]  # changed schedules, feasible, least peak, its text
 
+
+def _layer_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler) -> _Plan | None:
+    """Every graph's layer-level schedule chosen against the composed step
+    (``step_planning.plan_step`` with ``WholeLayerGraph``s, on the fx graphs); None when no
+    graph of the step has layers."""
+    graphs = {c.graph_id: states[c.graph_id] for c in rec.calls}
+    current = {gid: g.planned.step.schedule for gid, g in graphs.items() if isinstance(g, Recorded)}
+    planned = [WholeLayerGraph(gid, Planner(g.planned.joint, g.planned.stack, _graph_predict(g.planned, scheduler)),
+                               current[gid])
+               for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.stack.num_layers]
+    if not planned:
+        return None
+    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps).peak_bytes,
+                     int(scheduler.options.budget_bytes))
+    least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
+    changed = {gid: s for gid, s in plan.choices.items() if s != current[gid]}
+    return changed, plan.feasible, plan.least_feasible_peak_bytes, least
+
+
+def _graph_predict(planned: Planned, scheduler: GraphScheduler) -> Callable[[schedules.Schedule], Any]:
+    """The graph's own predicted report of a schedule (its planner's predictor)."""
+    return lambda s: scheduler.predict(planned.joint, planned.stack, s, planned.allocator)
+
+
+def _op_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler) -> _Plan | None:
+    """``granularity="op"``: every graph's op-level choice picked against the composed
+    step (``step_planning.plan_step`` with ``OpLevelGraph``s, on the fx graphs), from the
+    choices the graphs were planned with alone (``Planned.op_plan``); None when no graph
+    has one."""
+    graphs = {c.graph_id: states[c.graph_id] for c in rec.calls}
+    planned = [OpLevelGraph(gid, g.planned.op_plan.planner, g.planned.op_plan.solution)
+               for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.op_plan is not None]
+    if not planned:
+        return None
+    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps).peak_bytes,
+                     int(scheduler.options.budget_bytes))
+    least = ", ".join(f"{gid}: op-level options {s.options or 'all 0'}, groups {list(s.groups)}"
+                      for gid, s in plan.least_feasible.items())
+    changed: dict[str, Partition] = {p.graph_id: plan.decisions[p.graph_id] for p in planned
+                                     if plan.choices[p.graph_id] != p.current}
+    return changed, plan.feasible, plan.least_feasible_peak_bytes, least
+
+
+def not_composable(states: Mapping[str, GraphState], why: str, options: BackendOptions) -> dict[str, Plain]:
+    """A step of these graphs cannot be composed (``why``): every graph not yet Plain
+    falls back (``graph_compile.fall_back``, under grad mode: a training graph,
+    recompiled from inside a backward, where grad mode is off and AOTAutograd would
+    compile an inference graph).
+
+    Returns:
+        The graphs that fell back, by id.
+
+    Raises:
+        StepNotComposable: unless ``options.on_error`` is ``"fallback"``.
+    """
+    error = StepNotComposable(
+        f"the training step cannot be composed into one timeline: {why}. The backend models "
+        "one forward of every graph, then one loss.backward() running their backwards in "
+        "reverse (autograd's order); call backward once per step on one loss, or compile with "
+        "on_error='fallback' to run the graphs un-rewritten")
+    if options.on_error != "fallback":
+        raise error
+    out = {}
+    for gid, g in states.items():
+        if isinstance(g, (Compiled, Recorded)):
+            with torch.enable_grad():
+                out[gid] = fall_back(g, error, options.compiler)
+    return out
+
+
+def write_step(folder: Path, report: StepReport) -> list[Path]:
+    """Write the step's report to ``folder`` (``step.json``: ``StepReport.to_dict``,
+    ``step.md``: ``step_markdown``); returns the files written."""
+    js, md = folder / "step.json", folder / "step.md"
+    write_report(js, report.to_dict())
+    md.write_text(step_markdown(report), encoding="utf-8")
+    return [js, md]

@@ -1,21 +1,26 @@
-"""Sizes as polynomials: the SymInt / sympy sizes of a symbolic trace as
-``solvers.poly.Poly`` over the user's named symbols (``batch``, ``seq``), and a joint
-graph with its size computations inlined so that only tensor ops remain."""
+"""Symbolic sizes: the SymInt / sympy sizes of a symbolic trace as ``solvers.poly.Poly``
+over the user's named symbols (``batch``, ``seq``), a joint graph with its size
+computations inlined so that only tensor ops remain, and the concrete value of a
+symbolic size: at the compile-time example (``size_hint``, ``concrete_step``) or at the
+shapes of a step that ran (``symbol_sources``, ``shape_hints``, ``symbolic_size``,
+``evaluate_size``; the torch.compile backend's sizes under dynamic shapes)."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from solvers.poly import Poly
 
 from ..errors import RematError
 from ..graph.trace import JointGraph
+from ..recompute.rewrite import RewrittenStep
 
 
 class SizeConverter:
@@ -177,3 +182,118 @@ def _replace_arg(arg: Any, node: Any, value: Any) -> Any:
     if isinstance(arg, dict):
         return {k: _replace_arg(v, node, value) for k, v in arg.items()}
     return arg
+
+
+def is_symbolic_tensor(val: Any) -> bool:
+    """Whether ``val`` is a tensor with a symbolic size, stride or offset."""
+    return isinstance(val, torch.Tensor) and any(
+        not isinstance(d, int) for d in (*val.shape, *val.stride(), val.storage_offset())
+    )
+
+
+def size_hint(x: Any) -> int:
+    """The example value of a (possibly symbolic) size; adds no guard."""
+    return int(optimization_hint(x, fallback=1))
+
+
+def concrete_step(step: RewrittenStep) -> tuple[RewrittenStep, bool]:
+    """``step`` with symbolic sizes replaced by their hints (meta tensors), aliasing kept.
+
+    Returns ``(step, False)`` unchanged when every size is an int. Adds no guard.
+    """
+    graphs = (step.forward.graph, step.backward.graph)
+    if not any(is_symbolic_tensor(n.meta.get("val")) for g in graphs for n in g.nodes):
+        return step, False
+    bases: dict[int, torch.Tensor] = {}
+
+    def concrete(val: Any) -> Any:
+        if isinstance(val, (tuple, list)):
+            return type(val)(concrete(v) for v in val)
+        if not isinstance(val, torch.Tensor):
+            return val
+        storage = val.untyped_storage()
+        key = storage._cdata
+        if key not in bases:
+            bases[key] = torch.empty(size_hint(storage.nbytes()), dtype=torch.uint8, device="meta")
+        out = torch.empty((), dtype=val.dtype, device="meta")
+        out.set_(
+            bases[key].untyped_storage(),
+            size_hint(val.storage_offset()),
+            [size_hint(d) for d in val.shape],
+            [size_hint(s) for s in val.stride()],
+        )
+        return out
+
+    def copy(gm: fx.GraphModule) -> fx.GraphModule:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        out = g.graph_copy(gm.graph, env)
+        g.output(out)
+        for old, new in env.items():
+            new.meta = dict(old.meta)
+            if "val" in old.meta:
+                new.meta["val"] = concrete(old.meta["val"])
+        return fx.GraphModule(gm, g, class_name=type(gm).__name__)
+
+    return dataclasses.replace(step, forward=copy(step.forward), backward=copy(step.backward)), True
+
+
+def symbol_sources(primal_values: Sequence[Any]) -> tuple[tuple[int, int | None, Any], ...]:
+    """Where each shape symbol of a graph is read from at run time: ``(input index, dim,
+    symbol)`` for a tensor input whose dimension ``dim`` is a plain symbol, ``(input
+    index, None, symbol)`` for a SymInt input. Empty for a graph with static shapes."""
+    out, seen = [], set()
+    for i, v in enumerate(primal_values):
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            cands = [(None, v.node.expr)]
+        elif isinstance(v, torch.Tensor):
+            cands = [(d, s.node.expr) for d, s in enumerate(v.shape)
+                     if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]
+        else:
+            cands = []
+        for d, sym in cands:
+            if sym not in seen:
+                seen.add(sym)
+                out.append((i, d, sym))
+    return tuple(out)
+
+
+def symbolic_size(value: Any) -> Any:
+    """An int, or the sympy expression of a SymInt (its shape environment's canonical
+    form), for sizes evaluated later at the shapes of a step (``evaluate_size``)."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        env = value.node.shape_env
+        return env.replace(expr) if env is not None else expr
+    return int(value)
+
+
+def evaluate_size(size: Any, values: dict[Any, int], hints: dict[Any, int] | None = None) -> int:
+    """``size`` (an int or a sympy expression of ``symbolic_size``) at the symbol values
+    ``values``; symbols not among them take their ``hints`` (the compile-time example).
+
+    Raises:
+        ValueError: a symbol has neither a value nor a hint.
+    """
+    if isinstance(size, int):
+        return size
+    e = size.xreplace({s: sympy.Integer(v) for s, v in values.items()})
+    if e.free_symbols and hints:
+        e = e.xreplace({s: sympy.Integer(v) for s, v in hints.items() if s in e.free_symbols})
+    if e.free_symbols:
+        raise ValueError(f"size {size} depends on {sorted(map(str, e.free_symbols))}, which have no value")
+    return int(e)
+
+
+def shape_hints(joint: JointGraph) -> dict[Any, int]:
+    """The example value of every shape symbol of the graph (its compile-time hints:
+    the shape environment's ``backed_var_to_val``, or ``var_to_val`` where it has none),
+    by sympy Symbol; empty for a graph with static shapes."""
+    for v in joint.primal_values:
+        env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
+        if env is None and isinstance(v, torch.SymInt):
+            env = v.node.shape_env
+        if env is not None:
+            hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+            return {s: int(h) for s, h in hints.items()}
+    return {}

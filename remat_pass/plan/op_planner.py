@@ -37,7 +37,7 @@ import functools
 import operator
 import statistics
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.fx as fx
