@@ -22,13 +22,14 @@ found automatically);
 ``--meta`` builds it without weights (predicted only), ``--dtype`` / ``--autocast`` set
 the precision, ``--target cuda`` predicts for a GPU (``--gpu``), and ``--optimizer``,
 ``--master-weights`` and ``--device-memory`` add static memory and the device's
-activation budget (``workload.py``).
+activation budget (``evaluate/workload.py``).
 
-This module holds the parser and the dispatch; the commands live in ``cli_sweep``
-(``sweep``), ``cli_report`` (``inspect``, ``report``, ``check``), ``cli_plan``
-(``model``, ``plan``) and ``cli_parallel`` (the per-rank ``sweep`` / ``plan``), the
-options they share in ``cli_workload``. Exit codes: 0 ok, 1 a gate or gradient check
-failed, 2 bad input (the message on stderr, no traceback).
+This module holds the parser and the dispatch; the commands live in ``cli.sweep``
+(``sweep``), ``cli.report`` (``inspect``, ``report``, ``check``), ``cli.plan``
+(``model``, ``plan``) and ``cli.parallel`` (the per-rank ``sweep`` / ``plan``), the
+options they share in ``cli.common``; ``cli.flags`` refuses flags that contradict each
+other or do not apply. Exit codes: 0 ok, 1 a gate or gradient check failed, 2 bad input
+(the message on stderr, no traceback).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ the step records (``steps.StepRecords``); each event moves them by a transition:
    graphs ran in a step, in which order, and which graph's output each input is.
 3. A step ends (every backward it started has run): ``steps.end_step`` records its
    graphs (``graph_state.record``: their liveness) and composes its graph calls into one
-   timeline (``step_flow``, ``step_composition``): the forward outputs held across a
+   timeline (``step_flow``, ``composition``): the forward outputs held across a
    break, the gradients passed back, the zero tangents, the loss and its tangent, the
    parameter gradients. ``RematBackend.step_report()`` returns it (``step_report(shape)``:
    the latest step whose input had that shape; each step is logged in

@@ -3,7 +3,7 @@ their states (``graph_state``) and of the step records.
 
 - ``end_step``: a recorded step (``step_recorder.RecordedStep``) -> its graphs recorded
   (``graph_state.record``), the step composed into one timeline (``compose``:
-  ``StepReport``, ``step_flow``, ``step_composition``) and logged in the StepRecords.
+  ``StepReport``, ``step_flow``, ``composition``) and logged in the StepRecords.
 - ``replan_step``: after the first step, with ``schedule="optimized"``, the schedules of
   all graphs re-planned against the composed step (``step_planning``, whole layers or,
   with ``granularity="op"``, op-level choices) and the graphs whose schedule changed

@@ -18,7 +18,7 @@ FakeTensor *on the target device* of one ``FakeTensorMode``
 weights, views) sharing one fake storage, and AOTAutograd traces those as the primals.
 The joint graph is then node for node the real one (op, shape, dtype, stride, storage
 aliasing), so every prediction made from it equals the real trace's to the byte
-(``tests/test_fake_trace.py``). The graph can be rewritten and analysed but not run:
+(``tests/graph/test_fake_trace.py``). The graph can be rewritten and analysed but not run:
 ``JointGraph.fake`` is set and its figures are predicted only.
 
 Limits: a fake CUDA trace is refused in a build without CUDA (autograd through a fake

@@ -27,7 +27,7 @@ the Llama-2-70B stack (80 layers) costs the trace of 4 layers and a few rewrites
 Every assumption is checked, not trusted: the template's blocks of one role must have
 the same ops and storages in every layer and schedule, every read must be of the layer
 itself or a neighbour, the read table must be consistent across observations, each
-template's own intervals must be reproduced exactly, and ``tests/test_layer_reuse.py``
+template's own intervals must be reproduced exactly, and ``tests/liveness/test_layer_reuse.py``
 compares the result with the full rewrite of L-layer traces for every Megatron
 schedule. A model that breaks one (heterogeneous layers, outer ops between layer
 blocks) raises ``UnsupportedGraph``; analyse it in full instead. Layers past the

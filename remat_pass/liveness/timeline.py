@@ -140,7 +140,7 @@ class MemoryReport:
 class SweepIntervals(Protocol):
     """What ``live_timeline`` reads: storages with ``nbytes``, ``first``, ``last`` and
     ``static`` (``intervals.Storage`` or any object with those fields) over ``num_steps``
-    steps. ``intervals.Intervals`` is one; ``step_composition.StepIntervals`` (several graphs composed
+    steps. ``intervals.Intervals`` is one; ``composition.StepIntervals`` (several graphs composed
     into one step) is another."""
 
     storages: Sequence[Any]
@@ -197,7 +197,7 @@ def analyze(step: RewrittenStep, allocator: str | None = None, memory: MemoryMod
     Example:
         Eight ``Linear(256, 256)`` layers, batch 137, fp32, ``none``: the peak is the
         saved inputs plus the gradients live when backward ends; see
-        ``tests/test_liveness.py`` for the hand count.
+        ``tests/liveness/test_liveness.py`` for the hand count.
     """
     if memory is None:
         memory = MemoryModel.table_only(allocator or "cpu")

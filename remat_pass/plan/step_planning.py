@@ -202,7 +202,7 @@ def plan_step(graphs: Sequence[StepGraph], step_peak: Callable[[dict[str, Rewrit
             granularity), with their current choices.
         step_peak: the composed step peak (bytes) when the named graphs run the given
             rewritten steps (the other graphs keep their compiled ones), e.g.
-            ``compile.steps.BackendSteps._compose``'s.
+            ``compile.steps.compose``'s.
         budget_bytes: the step's peak budget (bytes).
         max_rounds: how many times each phase may visit every graph.
 

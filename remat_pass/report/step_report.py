@@ -1,5 +1,5 @@
 """The step-level report of a model compiled into several graphs: the graphs' timelines
-composed with what crosses between them (``step_flow``, ``step_composition``), the
+composed with what crosses between them (``step_flow``, ``composition``), the
 peak, its place (graph, phase, node) and what is live there; as a value, Markdown and
 versioned JSON (kind ``remat-pass-step-report`` of ``report_schema.json``)."""
 
@@ -50,7 +50,7 @@ class StepReport:
             run as fx code) or ``"inductor"`` (Inductor's generated code).
         calls: the graph calls, in forward order.
         backward_order: labels of the calls whose backward ran, in run order.
-        composed: the composed timeline (``step_composition.ComposedStep``).
+        composed: the composed timeline (``composition.ComposedStep``).
         notes: what the composition does not model in this step (empty: all of it).
     """
 
@@ -132,7 +132,7 @@ def build_step_report(step_index: int, model: str, calls: Sequence[GraphCall],
         notes: what the caller already knows is not modelled (eager inputs, ...).
 
     Raises:
-        ValueError: as ``step_flow.step_flow`` / ``step_composition.compose_step``.
+        ValueError: as ``step_flow.step_flow`` / ``composition.compose_step``.
     """
     flow = step_flow(calls, backward_order)
     composed = compose_step(flow.phases, flow.tensors)

@@ -73,11 +73,15 @@ def test_no_prefix_matching(capsys):
     assert "unrecognized arguments: --lay 3" in capsys.readouterr().err
 
 
-def test_version_everywhere():
-    assert remat_pass.__version__ == "0.1.0"  # pyproject.toml's version, read from the installed metadata
-    for cmd in ([sys.executable, "-m", "remat_pass", "--version"], [sys.executable, "-m", "remat_pass.cli", "--version"]):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0 and out.stdout.strip() == f"remat-pass {remat_pass.__version__}", out.stderr
+def test_version_everywhere(capsys):
+    """``remat-pass --version``, ``python -m remat_pass --version`` and ``__version__`` give
+    pyproject.toml's version (read from the installed metadata)."""
+    assert remat_pass.__version__ == "0.1.0"
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"remat-pass {remat_pass.__version__}"
+    out = subprocess.run([sys.executable, "-m", "remat_pass", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"remat-pass {remat_pass.__version__}", out.stderr
 
 
 def test_a_factory_in_the_current_folder_is_found(tmp_path, monkeypatch, capsys):

@@ -35,15 +35,6 @@ SCHEDULES = {"uniform2": ("uniform", 2), "block3": ("block", 3), "none": ("none"
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test compiles new models: start from an empty Dynamo cache (its per-code
-    recompile limit would otherwise send later models to eager without a word)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _model(name: str, dropout: float):
     """(model, loss_of(model) -> scalar): GPT-2 returns .loss (the loss sits behind
     Hugging Face's graph break); TinyGPT returns logits and the loss is taken outside

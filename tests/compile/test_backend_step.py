@@ -37,13 +37,6 @@ needs_cxx = pytest.mark.skipif(
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Breaky(nn.Module):
     """Embedding, ``layers`` blocks, head and cross entropy, with a graph break inside
     the loss (as transformers' GPT-2 breaks at ``self.loss_function``) and, with

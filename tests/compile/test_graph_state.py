@@ -20,13 +20,6 @@ from remat_pass.recompute import schedule as schedules
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_a_step_records_the_graph_and_replan_compiles_a_new_state():
     """After one step the graph is Recorded (its fx liveness read); ``replan`` gives a
     Captured graph with the schedule forced, which compiles to a new Compiled state
