@@ -73,6 +73,7 @@ def test_no_prefix_matching(capsys):
     assert "unrecognized arguments: --lay 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_version_everywhere(capsys):
     """``remat-pass --version``, ``python -m remat_pass --version`` and ``__version__`` give
     pyproject.toml's version (read from the installed metadata)."""

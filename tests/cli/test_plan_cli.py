@@ -39,6 +39,7 @@ def test_plan_json_and_infeasible(tmp_path, capsys):
     assert str(d["least_feasible_peak_bytes"]) in capsys.readouterr().err
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_plan_max_batch(tmp_path, capsys):
     path = tmp_path / "mb.json"
     assert main(["plan", *TINY, "--budget", "64MiB", "--max-batch", "--json", str(path)]) == 0
@@ -49,6 +50,7 @@ def test_plan_max_batch(tmp_path, capsys):
     assert "largest batch" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_model_prints_formulas(capsys):
     assert main(["model", *TINY]) == 0
     out = capsys.readouterr().out

@@ -144,6 +144,7 @@ def test_report_equals_traced_pipeline():
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_optimized_schedule_with_budget():
     """schedule='optimized': the least-recompute groups whose predicted peak fits the
     budget (a budget halfway between uniform(K=1)'s peak and none's); gradients equal

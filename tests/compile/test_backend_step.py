@@ -392,6 +392,7 @@ def _op_level_step(model: nn.Module, ids: torch.Tensor, budget: int):
     return b, measured, all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_op_level_is_planned_against_the_step():
     """granularity='op' on a model with a break inside the loss: each graph is first
     planned alone (its own peak holds its outputs and gradients to its end, more than

@@ -186,7 +186,9 @@ UNLIKE_LAYERS = {  # six layers whose attention differs past the fourth: a 4-lay
 }
 
 
-@pytest.mark.parametrize("name", sorted(UNLIKE_LAYERS))
+# one model in the fast suite (Qwen2, the quickest), the other two with the slow tests
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "qwen2_max_window_layers_4" else n
+                                  for n in sorted(UNLIKE_LAYERS)])
 def test_layers_unlike_past_the_template_are_all_traced(tmp_path, name):
     """Gemma 3's 5:1 sliding/full pattern, Qwen2's max_window_layers, Llama 4's
     layer_types read only by the model's forward: the layers are not all alike, so the

@@ -100,6 +100,7 @@ def _rank_1_hangs(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # more than 4 s on 2 cores
 def test_a_rank_that_dies_ends_every_other_rank():
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as e:
