@@ -29,7 +29,8 @@ This module holds the parser and the dispatch; the commands live in ``cli.sweep`
 (``model``, ``plan``) and ``cli.parallel`` (the per-rank ``sweep`` / ``plan``), the
 options they share in ``cli.common``; ``cli.flags`` refuses flags that contradict each
 other or do not apply. Exit codes: 0 ok, 1 a gate or gradient check failed, 2 bad input
-(the message on stderr, no traceback).
+(the message on stderr, no traceback), 130 interrupted (Ctrl-C: one line; a sweep first
+writes the rows it finished to --json, marked ``"partial": true``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from .sweep import add_policy_args, cmd_sweep
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: F401 - what main returns, also for its callers
 from .common import add_model_args, add_schedule_args, positive_int
 from .flags import check_flags
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 from ..errors import RematError
 from ..formatting import parse_bytes
 from ..plan.op_planner import CostModel
@@ -184,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RematError, ValueError, ImportError, OSError) as e:
         print(f"remat-pass: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("remat-pass: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

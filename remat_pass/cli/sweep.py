@@ -23,7 +23,7 @@ from ..recompute.policies import KINDS, POLICIES, recompute_modules, save_policy
 from ..report.schedule_report import SWEEP_COLUMNS, sweep_rows, write_json
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.session import Session
-from ..evaluate.workload import fits
+from ..evaluate.workload import Workload, fits
 
 def _progress(i: int, n: int, r: ScheduleResult) -> None:
     """One line on stderr for the i-th of n schedules swept."""
@@ -123,9 +123,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             op_partition(args, session, schedules.block(n, per_stack)) for n in range(1, min(per_stack))]
     none_peak = w.report(todo[0]).peak_bytes if w.predicted_only else None
     results = []
-    for i, sched in enumerate(todo, 1):
-        results.append(w.result(sched, none_peak))
-        _progress(i, len(todo), results[-1])
+    try:
+        for i, sched in enumerate(todo, 1):
+            results.append(w.result(sched, none_peak))
+            _progress(i, len(todo), results[-1])
+    except KeyboardInterrupt:
+        if args.json and results:  # the rows already finished are kept, marked partial
+            _write_sweep_json(args, w, results, partial=True)
+            print(f"interrupted after {len(results)} of {len(todo)} schedules: wrote them to {args.json} "
+                  "(\"partial\": true)", file=sys.stderr)
+        raise
     calibration_note(w)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
     noisy = [r for r in results if r.grads_within_run_to_run]
@@ -143,20 +150,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"{len(results)} schedules in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.json:
-        rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
-        write_json(args.json, {
-            "model": model_name(args),
-            "description": w.description,
-            "target": args.target,
-            "allocator": w.allocator,
-            "predicted_only": w.predicted_only,
-            "layer_stack": w.stack_path,
-            "num_layers": w.num_layers,
-            **stacks_meta(w),
-            "static_bytes": w.static.total_bytes,
-            "static": w.static.to_dict(),
-            "device_memory_bytes": w.device_memory_bytes,
-            "rows": rows,
-        })
+        _write_sweep_json(args, w, results)
         print(f"wrote {args.json}", file=sys.stderr)
     return EXIT_OK if all(r.predicted_only or r.grads_match for r in results) else EXIT_FAILED
+
+
+def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[ScheduleResult],
+                      partial: bool = False) -> None:
+    """The sweep's JSON: the model, target, stacks, static memory and one row per schedule;
+    ``partial``: the sweep was interrupted and ``rows`` holds the schedules finished."""
+    rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
+    write_json(args.json, {
+        "model": model_name(args),
+        "description": w.description,
+        "target": args.target,
+        "allocator": w.allocator,
+        "predicted_only": w.predicted_only,
+        "layer_stack": w.stack_path,
+        "num_layers": w.num_layers,
+        **stacks_meta(w),
+        "static_bytes": w.static.total_bytes,
+        "static": w.static.to_dict(),
+        "device_memory_bytes": w.device_memory_bytes,
+        **({"partial": True} if partial else {}),
+        "rows": rows,
+    })

@@ -4,6 +4,7 @@ python -m remat_pass, no prefix matching, the current folder on the import path)
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -97,3 +98,65 @@ def test_a_factory_in_the_current_folder_is_found(tmp_path, monkeypatch, capsys)
     assert main(["inspect", "--model", "mymod_flags_test:make", "--section", "summary", "--no-calibrate"]) == 0
     out = capsys.readouterr()
     assert "traced Sequential" in out.err + out.out and "with L=2" in out.err + out.out
+
+
+def test_ctrl_c_keeps_the_finished_rows_and_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a sweep: one line on stderr (no traceback), exit 130, and the rows
+    already finished written to --json, marked partial."""
+    from remat_pass.evaluate.workload import Workload
+
+    real = Workload.result
+    calls = []
+
+    def result(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Workload, "result", result)
+    out = tmp_path / "sweep.json"
+    rc = main(["sweep", "--model", "remat_pass.models:linear_chain", "--layers", "3", "--batch", "4",
+               "--no-calibrate", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "remat-pass: interrupted"
+    assert "interrupted after 2 of" in err
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and [r["schedule"] for r in doc["rows"]][:1] == ["none"] and len(doc["rows"]) == 2
+
+
+def test_a_finished_sweep_is_not_marked_partial(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--model", "remat_pass.models:linear_chain", "--layers", "2", "--batch", "4",
+                 "--no-calibrate", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "partial" not in doc and len(doc["rows"]) == 6  # none, uniform K=1..2, block N=0..2
+
+
+@pytest.mark.slow  # a subprocess that imports torch and traces
+def test_a_real_sigint_during_a_sweep(tmp_path):
+    """SIGINT (Ctrl-C) sent to ``python -m remat_pass sweep`` once its first row is printed:
+    exit 130, one line, the finished rows in --json marked partial."""
+    import signal
+
+    out = tmp_path / "sweep.json"
+    proc = subprocess.Popen([sys.executable, "-m", "remat_pass", "sweep", "--model", "remat_pass.models:tiny_gpt",
+                             "--layers", "4", "--no-calibrate", "--json", str(out)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("[ 1/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stderr.read()
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, "".join(lines) + rest
+    assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "remat-pass: interrupted"
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and len(doc["rows"]) >= 1
