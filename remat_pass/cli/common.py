@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..recompute import schedule as schedules
 from ..memory.calibration import CACHE_ENV
-from ..models.configs import DTYPES, TASKS
+from ..models.configs import DTYPES, TASKS, ModelSpec
 from ..memory.cuda_target import GPUS
 from ..formatting import fmt_bytes
 from ..report.gate import EXIT_FAILED, EXIT_OK  # noqa: F401 - the exit codes every command returns
@@ -45,8 +45,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                    help=f"factory returning (model, example_inputs, loss_fn) (default: {DEFAULT_MODEL}; "
                         "with --tp / --pp / --fsdp: remat_pass.models:tiny_llama)")
-    g.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
-    g.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
+    g.add_argument("--batch", type=positive_int,
+                   help=f"batch size passed to the factory (default: the factory's; --config: {ModelSpec.batch})")
+    g.add_argument("--seq", type=positive_int,
+                   help=f"sequence length passed to the factory (default: the factory's; --config: {ModelSpec.seq})")
     g.add_argument("--layers", type=positive_int, help="number of layers passed to the factory")
     g.add_argument("--stack", metavar="PATH", action="append",
                    help="module path of a layer stack (e.g. transformer.h); repeat it for several "
@@ -107,8 +109,33 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def load(args: argparse.Namespace) -> Workload:
-    """Build and trace the step of the model arguments (prints what it does to stderr)."""
+    """Build and trace the step of the model arguments (prints what it does to stderr,
+    first the defaults that shape a --config model's figures)."""
+    line = config_defaults_line(args)
+    if line:
+        print(line, file=sys.stderr)
     return load_workload(workload_options(args))
+
+
+def config_defaults_line(args: argparse.Namespace) -> str | None:
+    """For a --config model, one line naming the example shape, dtype and target its
+    figures are for, saying which came from defaults rather than flags (a 70B plan without
+    --seq is for ``ModelSpec.seq`` tokens); None without --config.
+
+    Example:
+        >>> ns = argparse.Namespace(config="c.json", batch=None, seq=4096, dtype=None, target="cpu")
+        >>> config_defaults_line(ns)
+        'c.json: batch 1 (default; --batch), seq 4096, dtype float32 (default; --dtype), target cpu'
+    """
+    if not getattr(args, "config", None):
+        return None
+
+    def value(name: str, given: object, default: object) -> str:
+        return f"{name} {given}" if given is not None else f"{name} {default} (default; --{name})"
+
+    return ", ".join([f"{args.config}: " + value("batch", args.batch, ModelSpec.batch),
+                      value("seq", args.seq, ModelSpec.seq), value("dtype", args.dtype, "float32"),
+                      f"target {args.target}"])
 
 
 def static_line(w: Workload) -> str:

@@ -117,9 +117,12 @@ def test_a_meta_config_sweep_is_predicted_only(tmp_path):
     ("1GiB", ["leaves", "for activations", "6 of 6 schedules"]),
 ])
 def test_sweep_says_what_fits_the_device(tmp_path, capsys, device, words):
-    assert main(["sweep", "--config", _write(tmp_path, TINY_LLAMA), "--meta", "--seq", "16",
+    path = _write(tmp_path, TINY_LLAMA)
+    assert main(["sweep", "--config", path, "--meta", "--seq", "16",
                  "--device-memory", device]) == 0
     err = capsys.readouterr().err
+    # the defaults that shaped the figures come first (issue 24: --config used seq 128, batch 1 silently)
+    assert err.splitlines()[0] == f"{path}: batch 1 (default; --batch), seq 16, dtype float32 (default; --dtype), target cpu"
     for w in words:
         assert w in err, err
 
