@@ -110,11 +110,12 @@ def model_name(args: argparse.Namespace) -> str:
 
 def load(args: argparse.Namespace) -> Workload:
     """Build and trace the step of the model arguments (prints what it does to stderr,
-    first the defaults that shape a --config model's figures)."""
-    line = config_defaults_line(args)
+    then, before any figure, the defaults that shape a --config model's figures)."""
+    w = load_workload(workload_options(args))
+    line = config_defaults_line(args)  # once the config is known to be good, before any figure
     if line:
         print(line, file=sys.stderr)
-    return load_workload(workload_options(args))
+    return w
 
 
 def config_defaults_line(args: argparse.Namespace) -> str | None:
