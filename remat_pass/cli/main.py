@@ -140,8 +140,8 @@ INPUTS = ("config", "baseline", "report", "graph")
 
 def check_paths_and_sizes(args: argparse.Namespace) -> None:
     """What can be checked before any model is built: input files exist, output files
-    can be written where asked (not a folder; the nearest existing folder above them is
-    writable, the rest is made), sizes parse.
+    and the calibration cache folder can be written where asked (not a folder / a folder;
+    the nearest existing folder above them is writable, the rest is made), sizes parse.
 
     Raises:
         ValueError: the option is named, with what is wrong.
@@ -161,6 +161,14 @@ def check_paths_and_sizes(args: argparse.Namespace) -> None:
             folder = folder.parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ValueError(f"--{name} {path}: {folder} is not a folder this user can write to")
+    cache = getattr(args, "calibration_cache", None)
+    if cache is not None and not getattr(args, "no_calibrate", False):
+        folder = Path(cache).absolute()
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--calibration-cache {cache}: {folder} is not a folder this user can write to; "
+                             "give another folder, or --no-calibrate")
     for name in ("budget", "device_memory"):
         value = getattr(args, name, None)
         if value is not None:

@@ -13,7 +13,7 @@ import pytest
 import remat_pass
 from remat_pass.cli import EXIT_USAGE, main
 from remat_pass.cli.flags import check_flags
-from remat_pass.cli.main import build_parser
+from remat_pass.cli.main import build_parser, check_paths_and_sizes
 from remat_pass.formatting import parse_fraction
 
 REFUSED = [
@@ -55,6 +55,19 @@ ACCEPTED = [
 def test_the_combinations_that_apply_are_accepted(argv):
     """Negative control: the same flags where they apply pass the check."""
     check_flags(build_parser().parse_args(argv))
+
+
+def test_a_calibration_cache_that_cannot_be_a_folder_is_refused_before_tracing(tmp_path, capsys):
+    """A --calibration-cache under a file: refused up front (it used to warn and then claim the
+    figures were cached); --no-calibrate needs no cache."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["report", "--calibration-cache", str(blocker / "cache")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--calibration-cache" in err and "is not a folder this user can write to" in err
+    check_paths_and_sizes(build_parser().parse_args(["report", "--calibration-cache", str(tmp_path / "new" / "cache")]))
+    check_paths_and_sizes(build_parser().parse_args(["report", "--calibration-cache", str(blocker / "cache"),
+                                                     "--no-calibrate"]))
 
 
 def test_a_bare_fraction_of_one_or_more_is_refused():
