@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import LayerStackNotFound
-from .forward_nodes import forward_node_names, input_closure, layers_of_unrecorded  # input_closure: re-exported
+from .forward_nodes import forward_node_names, layers_of_unrecorded
 from .module_paths import recorded_children, recorded_paths
 from .trace import JointGraph
 

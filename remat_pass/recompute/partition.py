@@ -51,7 +51,8 @@ import torch.fx as fx
 
 from ..graph.costs import is_random, tensor_val
 from ..errors import InvalidSchedule
-from ..graph.regions import LayerStack, input_closure
+from ..graph.forward_nodes import input_closure
+from ..graph.regions import LayerStack
 from .schedule import Schedule, none
 from ..graph.trace import JointGraph
 
