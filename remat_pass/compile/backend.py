@@ -87,6 +87,7 @@ from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's pub
 )
 from .step_recorder import RecordedGraph, RecordedStep, StepRecorder
 from .steps import StepLogEntry, StepRecords, end_step, not_composable, replan_step, write_step
+from ..errors import LayerStackNotFound
 from ..report.step_report import StepReport, break_text
 
 __all__ = [
@@ -223,6 +224,7 @@ class RematBackend:
         self._install(ended.recorded)
         if not ended.first:
             return
+        self._check_named_stack(rec)
         report = ended.report
         if self.options.schedule == "optimized":
             replanned = replan_step(self._graphs, rec, report, self._scheduler, tuple(self.reports))
@@ -236,6 +238,23 @@ class RematBackend:
             self.files += write_step(folder, report)
         if len(rec.calls) > 1:
             warnings.warn(self.graph_breaks(), GraphBreakWarning, stacklevel=2)
+
+    def _check_named_stack(self, rec: RecordedStep) -> None:
+        """After the first step: a ``layers=`` path that no graph of the step holds (a
+        typo, or a path outside the compiled module) ran the whole step without
+        recompute; raise ``LayerStackNotFound`` (``on_error="fallback"``: warn with
+        ``RematFallbackWarning``) rather than train on silently."""
+        if self.options.layers is None or self.options.schedule == "none":
+            return
+        if any(r.layer_stack for r in self.reports):
+            return
+        why = (f"layers={self.options.layers!r} names no layer stack in any of the {len(rec.calls)} graph(s) "
+               "of the training step, so nothing was recomputed; give the module path of the stack relative "
+               "to the compiled module (e.g. 'transformer.h'), or layers=None to find it")
+        if self.options.on_error == "fallback":
+            warnings.warn(f"remat-pass: {why}", RematFallbackWarning, stacklevel=2)
+            return
+        raise LayerStackNotFound(why)
 
     def _not_composable(self, why: str) -> None:
         """The recorder's (or a step's) event: a step cannot be composed (``why``);
@@ -274,7 +293,7 @@ class RematBackend:
 
 def backend(
     schedule: str | None = None,
-    recompute_num_layers: int | None = 4,
+    recompute_num_layers: int | None = None,
     budget_bytes: int | None = None,
     compiler: str = "eager",
     layers: str | None = None,
@@ -297,7 +316,8 @@ def backend(
             ``"optimized"``. Default: ``"uniform"``; with ``granularity="op"``,
             ``"optimized"`` when a budget is given, else ``"none"``.
         recompute_num_layers: K (uniform, 1..L) or N (block, 0..L), as
-            ``--recompute-num-layers``; L is checked per compiled graph.
+            ``--recompute-num-layers``; required with uniform and block (there is no
+            default); L is checked per compiled graph.
         budget_bytes: with ``schedule="optimized"``, the peak activation bytes allowed
             for the training step (an int, or a size with a unit such as ``"80MiB"``);
             each graph is planned alone when it compiles, all together after the first
@@ -325,7 +345,11 @@ def backend(
         A RematBackend; its ``reports`` fill as graphs compile (on the first call).
 
     Raises:
-        InvalidSchedule, InvalidBackendOption: see BackendOptions.
+        InvalidSchedule, InvalidBackendOption: see BackendOptions (uniform and block
+            need ``recompute_num_layers``).
+        LayerStackNotFound: at the end of the first training step, when ``layers``
+            names a path no compiled graph holds (with ``on_error="fallback"``: a
+            ``RematFallbackWarning``).
 
     Example:
         >>> import remat_pass, torch

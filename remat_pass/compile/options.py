@@ -45,8 +45,10 @@ class BackendOptions:
             least-recompute groups whose predicted peak fits ``budget_bytes``
             (``planner.Planner``: the chain-model solver, checked by liveness).
         recompute_num_layers: K for uniform (1..L), N for block (0..L), Megatron-LM's
-            ``--recompute-num-layers``; ignored for none. L, the number of layers of the
-            stack, is checked when a graph is compiled.
+            ``--recompute-num-layers``; required for uniform and block (no default:
+            Megatron-LM's is 1, the old default here was 4, so it is asked for rather
+            than guessed); ignored for none. L, the number of layers of the stack, is
+            checked when a graph is compiled.
         budget_bytes: for ``optimized``: the peak activation bytes allowed for the
             training step (static memory excluded, as ``MemoryReport.peak_bytes``); an
             int, or a string with a unit (``"80MiB"``, ``"1.5GB"``), stored as an int.
@@ -82,7 +84,7 @@ class BackendOptions:
     """
 
     schedule: str = "uniform"
-    recompute_num_layers: int | None = 4
+    recompute_num_layers: int | None = None
     budget_bytes: int | str | None = None
     compiler: str = "eager"
     layers: str | None = None
@@ -102,6 +104,7 @@ class BackendOptions:
         object.__setattr__(self, "policy_names", tuple(self.policy_names or ()))
         names = self.module_names.items() if isinstance(self.module_names, dict) else (self.module_names or ())
         object.__setattr__(self, "module_names", tuple((k, tuple(v)) for k, v in names))
+        self._check_types()
         self._check_schedule()
         self._check_granularity()
 
@@ -126,32 +129,7 @@ class BackendOptions:
                 "none, uniform or block for the layers recomputed whole), or schedule='optimized' with "
                 "budget_bytes (the op-level optimum)")
 
-    def _check_schedule(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InvalidSchedule(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        k = self.recompute_num_layers
-        if self.schedule in ("uniform", "block"):
-            low = 1 if self.schedule == "uniform" else 0
-            name = "K" if self.schedule == "uniform" else "N"
-            if not isinstance(k, int) or isinstance(k, bool) or k < low:
-                raise InvalidSchedule(
-                    f"{self.schedule} needs recompute_num_layers={name}, an integer in {low}..L "
-                    f"(L: the layers of the stack); got {k!r}"
-                )
-        if self.budget_bytes is not None and self.schedule != "optimized":
-            raise InvalidSchedule(
-                f"budget_bytes={self.budget_bytes!r} applies only to schedule='optimized'; "
-                f"schedule={self.schedule!r} takes recompute_num_layers"
-            )
-        if isinstance(self.budget_bytes, str):
-            object.__setattr__(self, "budget_bytes", _budget_from_text(self.budget_bytes))
-        if self.schedule == "optimized":
-            b = self.budget_bytes
-            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
-                raise InvalidSchedule(
-                    "schedule='optimized' needs budget_bytes, the peak activation bytes "
-                    f"allowed for the step, an integer > 0 or a size such as '80MiB'; got {b!r}"
-                )
+    def _check_types(self) -> None:
         if self.compiler not in COMPILERS:
             raise InvalidBackendOption(f"compiler={self.compiler!r} is not one of {', '.join(COMPILERS)}")
         if self.layers is not None and not isinstance(self.layers, str):
@@ -165,6 +143,38 @@ class BackendOptions:
         if self.on_error not in ON_ERROR:
             raise InvalidBackendOption(f"on_error={self.on_error!r} is not one of {', '.join(ON_ERROR)}")
 
+    def _check_schedule(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InvalidSchedule(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.budget_bytes is not None and self.schedule != "optimized":
+            raise InvalidSchedule(
+                f"budget_bytes={self.budget_bytes!r} applies only to schedule='optimized'; "
+                f"schedule={self.schedule!r} takes recompute_num_layers"
+            )
+        k = self.recompute_num_layers
+        if self.schedule in ("uniform", "block"):
+            low = 1 if self.schedule == "uniform" else 0
+            name = "K" if self.schedule == "uniform" else "N"
+            if k is None:
+                raise InvalidSchedule(
+                    f"schedule={self.schedule!r} needs recompute_num_layers={name}, an integer in {low}..L "
+                    f"(L: the layers of the stack; Megatron-LM's --recompute-num-layers), and none was given: "
+                    f"e.g. backend(schedule={self.schedule!r}, recompute_num_layers=1)"
+                )
+            if not isinstance(k, int) or isinstance(k, bool) or k < low:
+                raise InvalidSchedule(
+                    f"{self.schedule} needs recompute_num_layers={name}, an integer in {low}..L "
+                    f"(L: the layers of the stack); got {k!r}"
+                )
+        if isinstance(self.budget_bytes, str):
+            object.__setattr__(self, "budget_bytes", _budget_from_text(self.budget_bytes))
+        if self.schedule == "optimized":
+            b = self.budget_bytes
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise InvalidSchedule(
+                    "schedule='optimized' needs budget_bytes, the peak activation bytes "
+                    f"allowed for the step, an integer > 0 or a size such as '80MiB'; got {b!r}"
+                )
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "BackendOptions":
         """From ``torch.compile(options=...)``; ``num_layers`` (the old name of

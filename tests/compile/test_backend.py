@@ -19,8 +19,8 @@ from remat_pass.compile.backend import (
     InvalidBackendOption,
     registered_backend,
 )
-from remat_pass.compile.graph import GraphBreakWarning
-from remat_pass.errors import InvalidSchedule
+from remat_pass.compile.graph import GraphBreakWarning, NoLayerStackWarning, RematFallbackWarning
+from remat_pass.errors import InvalidSchedule, LayerStackNotFound
 from remat_pass.graph.module_paths import recorded_paths
 from remat_pass.report.inspection import load_dump
 from remat_pass.models import TinyGPT
@@ -466,3 +466,25 @@ def test_t5_is_planned_on_both_stacks():
                 if any(p.startswith(part + ".block.") for p in paths):
                     layers.add(r.step.layer_of.get(n.name))
     assert seen == {"encoder": {0, 1}, "decoder": {2, 3}}
+
+
+def test_uniform_or_block_without_k_is_refused():
+    """No silent K: the backend used to run uniform with K = 4 (K = L on a 4-layer model)."""
+    for schedule in ("uniform", "block"):
+        with pytest.raises(InvalidSchedule, match="none was given"):
+            remat_pass.backend(schedule=schedule)
+        with pytest.raises(InvalidSchedule, match="none was given"):
+            registered_backend({"schedule": schedule})
+
+
+def test_layers_typo_is_an_error_after_the_first_step():
+    """``layers=`` naming no stack of any graph ran the step without recompute behind a
+    warning; now the first step ends in LayerStackNotFound (fallback: a warning)."""
+    model, loss_of = _model("tiny", 0.0)
+    b = remat_pass.backend("uniform", 1, layers="blockz")
+    with pytest.warns(NoLayerStackWarning), pytest.raises(LayerStackNotFound, match="'blockz' names no layer stack"):
+        loss_of(torch.compile(model, backend=b)).backward()
+    torch._dynamo.reset()
+    fallback = remat_pass.backend("uniform", 1, layers="blockz", on_error="fallback")
+    with pytest.warns(RematFallbackWarning, match="nothing was recomputed"):
+        loss_of(torch.compile(copy.deepcopy(model), backend=fallback)).backward()
