@@ -70,3 +70,7 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("json", "markdown", "png", "dump"):
         if getattr(args, name, None) == "-":
             raise ValueError(f"{_flag(name)} -: standard output is not supported; give a file path")
+    if getattr(args, "module_kind", None) and not (getattr(args, "recompute_modules", None)
+                                                   or getattr(args, "selective", False)):
+        raise ValueError("--module-kind names the modules of a kind for --recompute-modules (or --selective); "
+                         "alone it changes nothing")

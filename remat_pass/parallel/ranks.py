@@ -159,7 +159,8 @@ def validate(config: ParallelConfig, model: nn.Module, batch: int, seq: int | No
         validate_schedule(config.pipeline_schedule, config.pp, config.microbatches, config.vpp)
     if batch % config.microbatches:
         raise InvalidOption(f"--microbatches {config.microbatches} does not divide the global batch {batch}: "
-                            f"legal values are {_divisors(batch)}")
+                            f"legal values are {_divisors(batch)}, or a --batch that {config.microbatches} divides "
+                            f"(e.g. --batch {config.microbatches * max(1, batch // config.microbatches)})")
     if config.fsdp > 1:
         if config.tp > 1 or config.pp > 1:
             raise InvalidOption("--fsdp together with --tp or --pp is not supported: give FSDP alone")

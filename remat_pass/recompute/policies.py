@@ -254,7 +254,8 @@ def module_kinds(joint: JointGraph, stack: LayerStack,
             patterns) for kinds that are not recognised.
 
     Raises:
-        InvalidSchedule: ``module_names`` names a kind outside ``KINDS``.
+        InvalidSchedule: ``module_names`` names a kind outside ``KINDS``, or a pattern
+            that matches no module of any layer (the message lists the layer's modules).
     """
     module_names = dict(module_names or {})
     unknown = sorted(set(module_names) - set(KINDS))
@@ -282,7 +283,21 @@ def module_kinds(joint: JointGraph, stack: LayerStack,
         for kind, chosen in found.items():
             if chosen:
                 out[kind][layer] = frozenset(n.name for n in chosen)
+    _check_named_modules(module_names, ln, stack)
     return {k: v for k, v in out.items() if v}
+
+
+def _check_named_modules(module_names: Mapping[str, Sequence[str]], ln: LayerNodes, stack: LayerStack) -> None:
+    """Refuse a ``module_names`` pattern that matches no module of any layer (a typo, or
+    a name from another model) instead of letting its kind go missing unexplained."""
+    paths = sorted({ln.module_of[n] for nodes in ln.layers.values() for n in nodes if ln.module_of[n]})
+    for kind, patterns in module_names.items():
+        dead = [p for p in patterns if not any(_matches(path, [p]) for path in paths)]
+        if dead:
+            shown = ", ".join(paths[:24]) + (f", ... ({len(paths)} in all)" if len(paths) > 24 else "")
+            raise InvalidSchedule(
+                f"--module-kind {kind}={','.join(dead)} (module_names): {', '.join(map(repr, dead))} matches no "
+                f"module inside the layers of {stack.path!r}; the modules of its layers are: {shown or 'none'}")
 
 
 def _outside_readers(joint: JointGraph, stack: LayerStack, ln: LayerNodes, chosen: set[str]

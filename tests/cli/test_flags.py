@@ -29,6 +29,7 @@ REFUSED = [
     (["report", "--json", "-"], "standard output is not supported"),
     (["plan", "--budget", "0"], "more than 0 bytes"),
     (["check", "--budget", "0GiB"], "more than 0 bytes"),
+    (["sweep", "--module-kind", "mlp=mlp"], "alone it changes nothing"),
 ]
 
 
@@ -48,6 +49,7 @@ ACCEPTED = [
     ["sweep", "--config", "c.json", "--task", "causal-lm"],
     ["inspect", "--graph", "g.remat.json"],
     ["report", "--target", "cuda", "--gpu", "h200"],
+    ["sweep", "--recompute-modules", "mlp", "--module-kind", "mlp=mlp"],
 ]
 
 
@@ -173,3 +175,12 @@ def test_a_real_sigint_during_a_sweep(tmp_path):
     assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "remat-pass: interrupted"
     doc = json.loads(out.read_text())
     assert doc["partial"] is True and len(doc["rows"]) >= 1
+
+
+def test_a_module_kind_pattern_that_matches_nothing_says_so(capsys):
+    """`--module-kind mlp=ffn` on GPT-2 (no module `ffn`) said only "no module of kind
+    mlp"; now it names the pattern and lists the layer's modules."""
+    argv = ["sweep", "--layers", "2", "--recompute-modules", "mlp", "--module-kind", "mlp=ffn", "--no-calibrate"]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "'ffn' matches no module inside the layers of 'transformer.h'" in err and "mlp.c_fc" in err, err
