@@ -21,7 +21,7 @@ from typing import Any
 
 from ..parallel.distributed import RunOptions, measure_config
 from ..errors import InfeasibleBudget
-from ..formatting import fmt_bytes, parse_bytes, text_table
+from ..formatting import fmt_bytes, mib, parse_bytes, text_table
 from ..parallel.fsdp_measure import measure_fsdp
 from ..models.shipped import build
 from ..parallel.ranks import ParallelConfig, validate
@@ -94,11 +94,8 @@ def sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> bool:
                     for p in preds[0]]
         options = RunOptions(model_spec(args), _factory_kwargs(args), tuple(settings), repeats=args.repeats)
         measured = {(r.schedule, r.rank): r for r in measure_config(config, options)}
-        print(text_table(["rank", "schedule", "predicted", "measured (least)", "runs", "grads"],
-                         [[str(r["rank"]), r["schedule"], str(r["predicted_peak_bytes"]),
-                           str(measured[(r["schedule"], r["rank"])].measured_peak_bytes),
-                           str(len(measured[(r["schedule"], r["rank"])].measured_runs_bytes)),
-                           "equal" if measured[(r["schedule"], r["rank"])].grads_equal else "DIFFER"] for r in rows]))
+        print(text_table(MEASURED_COLUMNS, [measured_row(r["rank"], r["schedule"], r["predicted_peak_bytes"],
+                                                          measured[(r["schedule"], r["rank"])]) for r in rows]))
         for r in rows:
             m = measured[(r["schedule"], r["rank"])]
             r.update(measured_peak_bytes=m.measured_peak_bytes, measured_runs_bytes=list(m.measured_runs_bytes),
@@ -108,6 +105,18 @@ def sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> bool:
         write_json(args.json, {"model": model_spec(args), "config": dataclasses.asdict(config), "rows": rows})
         print(f"wrote {args.json}", file=sys.stderr)
     return ok
+
+
+MEASURED_COLUMNS = ["rank", "schedule", "predicted MiB", "measured MiB", "error B", "error %", "runs", "grads"]
+
+
+def measured_row(rank: int, schedule: str, predicted: int, m: Any) -> list[str]:
+    """A row of the --measure table: the rank's predicted and measured (least of its
+    runs) peaks in MiB, their difference in bytes (MiB hides a few KiB) and percent."""
+    got = m.measured_peak_bytes
+    err = predicted - got
+    return [str(rank), schedule, mib(predicted), mib(got), f"{err:+,}", f"{100 * err / got:+.2f}" if got else "",
+            str(len(m.measured_runs_bytes)), "equal" if m.grads_equal else "DIFFER"]
 
 
 def _factory_kwargs(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
@@ -131,9 +140,8 @@ def sweep_fsdp(args: argparse.Namespace, config: ParallelConfig, model: Any, inp
     if args.measure:
         options = RunOptions(model_spec(args), _factory_kwargs(args), (("none", None),), repeats=args.repeats)
         measured = measure_fsdp(config, options)
-        print(text_table(["rank", "schedule", "predicted", "measured (least)", "runs", "grads"],
-                         [[str(m.rank), m.schedule, str(m.predicted_peak_bytes), str(m.measured_peak_bytes),
-                           str(len(m.measured_runs_bytes)), "equal" if m.grads_equal else "DIFFER"] for m in measured]))
+        print(text_table(MEASURED_COLUMNS, [measured_row(m.rank, m.schedule, m.predicted_peak_bytes, m)
+                                            for m in measured]))
         rows[0]["measured_peak_bytes"] = [m.measured_peak_bytes for m in measured]
         ok = all(m.grads_equal for m in measured)
     if args.json:

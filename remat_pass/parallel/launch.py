@@ -65,9 +65,15 @@ class RankFailed(RematError):
         super().__init__(f"the distributed run failed ({text}); every other rank was ended")
 
 
+RANK_THREADS = 1
+"""Intra-op threads of every rank ``run_ranks`` starts (``torch.set_num_threads``): one
+per process, as gloo adds two worker threads of its own. Op scratch that depends on the
+thread count (CPU flash attention's per-thread buffers) is predicted at this count."""
+
+
 def _entry(rank: int, world: int, init_file: str, backend: str, pg_timeout_s: float,
            fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ok, result = False, None
     try:

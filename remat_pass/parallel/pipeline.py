@@ -104,7 +104,7 @@ class StageProfile:
 
 
 def stage_profile(step: RewrittenStep, primal_kinds: Sequence[str], stage: int, first: bool, last: bool,
-                  allocator: str = "cpu") -> StageProfile:
+                  allocator: str = "cpu", threads: int | None = None) -> StageProfile:
     """The StageProfile of a stage's rewritten step (see the module docstring).
 
     Args:
@@ -115,12 +115,14 @@ def stage_profile(step: RewrittenStep, primal_kinds: Sequence[str], stage: int, 
             the first.
         stage: the global stage index; first, last: its position in the pipeline.
         allocator: "cpu" or "cuda" (``intervals.storage_bytes``).
+        threads: the intra-op threads the stage runs with (op scratch that grows with
+            them); None: this process's ``torch.get_num_threads()``.
 
     Raises:
         RematError: a stage that is not the first has no input that requires grad.
     """
     # storages, op scratch (the ATen formula table) and collective buffers, as analyze
-    iv = memory_intervals(step, MemoryModel.table_only(allocator))[0]
+    iv = memory_intervals(step, MemoryModel.table_only(allocator, threads))[0]
     n_fw = len(iv.fw_steps)
     fw_out = next(n for n in reversed(step.forward.graph.nodes) if n.op == "output").args[0]
     out_node = fw_out[0]

@@ -27,6 +27,7 @@ from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, text_table
 from .fsdp import FsdpPrediction, predict_fsdp
 from .ranks import ParallelConfig, RankPrediction, fake_process_group, microbatches, predict_rank, trace_rank
+from .launch import RANK_THREADS
 from ..graph.regions import find_layer_stack
 from ..recompute.rewrite import rewrite
 from ..evaluate.traced_step import StepOptions, trace_step
@@ -41,7 +42,8 @@ def stage_schedules(num_layers: int) -> list[tuple[str, int | None]]:
 
 def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
                    settings: Sequence[tuple[str, int | None]] | None = None,
-                   allocator: str = "cpu", grad_accumulator: str = "in_step") -> list[list[RankPrediction]]:
+                   allocator: str = "cpu", grad_accumulator: str = "in_step",
+                   threads: int = RANK_THREADS) -> list[list[RankPrediction]]:
     """Every rank's predicted step under every setting, traced with the fake process
     group one rank at a time (no processes, nothing communicated).
 
@@ -49,6 +51,8 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
         model, inputs: the full model and the global batch ``(ids, targets)``.
         config: validated with ``parallel.validate``.
         settings: ``(method, K or N)`` per setting; default ``stage_schedules(L_stage)``.
+        threads: each rank's intra-op threads; default ``launch.RANK_THREADS``, the
+            count the measured gloo ranks run with (not this process's).
 
     Returns:
         ``[rank][setting]`` RankPredictions.
@@ -58,7 +62,8 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
         with fake_process_group(rank, config.world_size):
             graphs = trace_rank(model, inputs, config, rank)
         todo = list(settings) if settings is not None else stage_schedules(graphs[0].stack.num_layers)
-        out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator) for m, k in todo])
+        out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator, threads)
+                    for m, k in todo])
     return out
 
 

@@ -397,8 +397,10 @@ def stage_schedule(method: str, recompute_num_layers: int | None, num_layers: in
 
 def predict_rank(stage_graphs: list[StageGraph], config: ParallelConfig, rank: int, method: str,
                  recompute_num_layers: int | None = None, allocator: str = "cpu",
-                 grad_accumulator: str = "in_step") -> RankPrediction:
+                 grad_accumulator: str = "in_step", threads: int | None = None) -> RankPrediction:
     """Rewrite each of the rank's stages under the schedule and compose its peak.
+
+    ``threads``: the rank's intra-op threads (``stage_profile``); None: this process's.
 
     Raises:
         InvalidSchedule: K / N outside the stage's layers.
@@ -410,7 +412,8 @@ def predict_rank(stage_graphs: list[StageGraph], config: ParallelConfig, rank: i
         sched = stage_schedule(method, recompute_num_layers, sg.stack.num_layers)
         provenance = sched.provenance
         step = rewrite(sg.joint, sg.stack, sched)
-        profiles[sg.stage] = stage_profile(step, sg.joint.primal_kinds, sg.stage, sg.first, sg.last, allocator)
+        profiles[sg.stage] = stage_profile(step, sg.joint.primal_kinds, sg.stage, sg.first, sg.last, allocator,
+                                       threads)
         flops += sum(int(node_flops(n)) for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute")
     peak = compose(profiles, config.actions(rank), config.releases(rank), grad_accumulator)
     static = sum(p.static_bytes for p in profiles.values())

@@ -74,3 +74,19 @@ def test_sweep_prints_one_row_per_rank_and_setting(tmp_path, capsys):
     assert [r["in_flight"] for r in rows if r["schedule"] == "none"] == [2, 1]  # 1F1B: stage i holds p - i
     assert all(r["predicted_peak_bytes"] > 0 and r["static_bytes"] > 0 for r in rows)
     assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]) == len(rows)
+
+
+@pytest.mark.slow
+def test_sweep_measure_is_exact_at_one_sample_per_microbatch(tmp_path, capsys):
+    """`sweep --pp 2 --microbatches 4 --measure` at batch 4 (micro-batch 1) was 8,192 B
+    over measured on every row: the CLI predicted CPU flash attention's per-thread
+    scratch at this process's threads while the gloo ranks run with one
+    (``launch.RANK_THREADS``). Every rank row is now predicted to the byte."""
+    out = tmp_path / "pp.json"
+    argv = ["sweep", *TINY, "--pp", "2", "--microbatches", "4", "--measure", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["grads_equal"] for r in rows)
+    assert [r["predicted_peak_bytes"] for r in rows] == [r["measured_peak_bytes"] for r in rows]
+    table = capsys.readouterr().out
+    assert "error B" in table and "measured MiB" in table
