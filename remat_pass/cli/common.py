@@ -10,12 +10,14 @@ its subcommands.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
 from ..recompute import schedule as schedules
 from ..memory.calibration import CACHE_ENV
 from ..models.configs import DTYPES, TASKS, ModelSpec
+from ..models.shipped import load_factory
 from ..memory.cuda_target import GPUS
 from ..formatting import fmt_bytes
 from ..report.gate import EXIT_FAILED, EXIT_OK  # noqa: F401 - the exit codes every command returns
@@ -112,7 +114,7 @@ def load(args: argparse.Namespace) -> Workload:
     """Build and trace the step of the model arguments (prints what it does to stderr,
     then, before any figure, the defaults that shape a --config model's figures)."""
     w = load_workload(workload_options(args))
-    line = config_defaults_line(args)  # once the config is known to be good, before any figure
+    line = config_defaults_line(args) or factory_defaults_line(args)  # once the model is built, before any figure
     if line:
         print(line, file=sys.stderr)
     return w
@@ -130,13 +132,38 @@ def config_defaults_line(args: argparse.Namespace) -> str | None:
     """
     if not getattr(args, "config", None):
         return None
-
-    def value(name: str, given: object, default: object) -> str:
-        return f"{name} {given}" if given is not None else f"{name} {default} (default; --{name})"
-
-    return ", ".join([f"{args.config}: " + value("batch", args.batch, ModelSpec.batch),
-                      value("seq", args.seq, ModelSpec.seq), value("dtype", args.dtype, "float32"),
+    return ", ".join([f"{args.config}: " + _value("batch", args.batch, ModelSpec.batch),
+                      _value("seq", args.seq, ModelSpec.seq), _value("dtype", args.dtype, "float32"),
                       f"target {args.target}"])
+
+
+def _value(name: str, given: object, default: object) -> str:
+    return f"{name} {given}" if given is not None else f"{name} {default} (default; --{name})"
+
+
+def factory_defaults_line(args: argparse.Namespace) -> str | None:
+    """For a --model factory, the same line as ``config_defaults_line``: the batch, seq
+    and layers its figures are for, those not given taken from the factory's own
+    defaults (read from its signature), the dtype and the target; None for --config or
+    a factory whose signature cannot be read.
+
+    Example:
+        >>> ns = argparse.Namespace(config=None, model="remat_pass.models:tiny_gpt", batch=2, seq=None,
+        ...                         layers=None, dtype=None, target="cpu")
+        >>> factory_defaults_line(ns)
+        'remat_pass.models:tiny_gpt: batch 2, seq 128 (default; --seq), layers 8 (default; --layers), dtype as built (--dtype), target cpu'
+    """
+    if getattr(args, "config", None):
+        return None
+    spec = getattr(args, "model", None) or DEFAULT_MODEL
+    try:
+        params = inspect.signature(load_factory(spec)).parameters
+    except (TypeError, ValueError, ImportError, AttributeError):
+        return None
+    parts = [_value(name, getattr(args, name, None), params[name].default) for name in ("batch", "seq", "layers")
+             if name in params and params[name].default is not inspect.Parameter.empty]
+    parts.append(f"dtype {args.dtype}" if args.dtype else "dtype as built (--dtype)")
+    return f"{spec}: " + ", ".join(parts + [f"target {args.target}"])
 
 
 def static_line(w: Workload) -> str:

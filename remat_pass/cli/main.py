@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -140,8 +141,9 @@ INPUTS = ("config", "baseline", "report", "graph")
 
 def check_paths_and_sizes(args: argparse.Namespace) -> None:
     """What can be checked before any model is built: input files exist, output files
-    and the calibration cache folder can be written where asked (not a folder / a folder;
-    the nearest existing folder above them is writable, the rest is made), sizes parse.
+    can be written where asked (not a folder, in an existing folder this user can write;
+    a missing folder is not made: a typo would otherwise create folders anywhere), the
+    --dump and calibration cache folders can be made, --png has matplotlib, sizes parse.
 
     Raises:
         ValueError: the option is named, with what is wrong.
@@ -157,10 +159,21 @@ def check_paths_and_sizes(args: argparse.Namespace) -> None:
         if Path(path).is_dir():
             raise ValueError(f"--{name} {path}: is a folder; give a file name")
         folder = Path(path).absolute().parent
-        while not folder.exists():
-            folder = folder.parent
+        if not folder.exists():
+            raise ValueError(f"--{name} {path}: the folder {folder} does not exist; make it first "
+                             f"(mkdir -p {folder}) or give a path in an existing folder")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ValueError(f"--{name} {path}: {folder} is not a folder this user can write to")
+    dump = getattr(args, "dump", None)
+    if dump is not None:
+        parent = Path(dump).absolute().parent
+        if Path(dump).exists() and not Path(dump).is_dir():
+            raise ValueError(f"--dump {dump}: is a file; give a folder")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"--dump {dump}: {parent} is not an existing folder this user can write to")
+    if getattr(args, "png", None) is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--png draws with matplotlib, which is not installed: pip install 'remat-pass[plot]' "
+                         "(or pip install matplotlib), or drop --png")
     cache = getattr(args, "calibration_cache", None)
     if cache is not None and not getattr(args, "no_calibrate", False):
         folder = Path(cache).absolute()

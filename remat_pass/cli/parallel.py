@@ -27,7 +27,7 @@ from ..models.shipped import build
 from ..parallel.ranks import ParallelConfig, validate
 from ..parallel.plan import FSDP_COLUMNS, PREDICTION_COLUMNS, fsdp_rows, megatron_flags, plan_stages, predict_config
 from ..parallel.plan import predict_fsdp_config, prediction_json, prediction_rows, stage_plan_text
-from ..report.schedule_report import write_json
+from ..report.documents import write_document
 
 DEFAULT_PARALLEL_MODEL = "remat_pass.models:tiny_llama"
 
@@ -102,7 +102,8 @@ def sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> bool:
                      grads_equal=m.grads_equal)
             ok = ok and m.grads_equal
     if args.json:
-        write_json(args.json, {"model": model_spec(args), "config": dataclasses.asdict(config), "rows": rows})
+        write_document(args.json, "remat-pass-sweep-ranks",
+                       {"model": model_spec(args), "config": dataclasses.asdict(config), "rows": rows})
         print(f"wrote {args.json}", file=sys.stderr)
     return ok
 
@@ -145,7 +146,8 @@ def sweep_fsdp(args: argparse.Namespace, config: ParallelConfig, model: Any, inp
         rows[0]["measured_peak_bytes"] = [m.measured_peak_bytes for m in measured]
         ok = all(m.grads_equal for m in measured)
     if args.json:
-        write_json(args.json, {"model": model_spec(args), "config": dataclasses.asdict(config), "rows": rows})
+        write_document(args.json, "remat-pass-sweep-ranks",
+                       {"model": model_spec(args), "config": dataclasses.asdict(config), "rows": rows})
         print(f"wrote {args.json}", file=sys.stderr)
     return ok
 
@@ -164,7 +166,8 @@ def plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> None:
     plan = plan_stages(preds, device)
     print(stage_plan_text(config, plan))
     if args.json:
-        write_json(args.json, {"config": dataclasses.asdict(config), "device_memory_bytes": device,
+        write_document(args.json, "remat-pass-plan", {
+                       "config": dataclasses.asdict(config), "device_memory_bytes": device,
                                "expressible": plan.expressible, "megatron_flags": plan.flags,
                                "shared_setting": plan.shared, "gain_flops": plan.gain_flops,
                                "rows": [prediction_json(config, p) for p in plan.chosen]})

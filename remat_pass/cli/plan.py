@@ -22,7 +22,7 @@ from ..plan.op_planner import CostModel, OpPlanner
 from ..plan.planner import max_batch_rows
 from ..graph.regions import LayerStack
 from ..report.plan_report import op_plan_json, op_plan_text, plan_json, plan_text, symbolic_model_text
-from ..report.schedule_report import write_json
+from ..report.documents import write_document
 from ..evaluate.schedule_result import ScheduleResult
 from ..liveness.symbolic import default_symbols, trace_symbolic
 from ..evaluate.workload import DEFAULT_MODEL, Workload
@@ -106,7 +106,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               mib(r["next_peak_bytes"])] for r in rows],
         ))
         if args.json:
-            write_json(args.json, {"budget_bytes": budget, "predicted_only": True, "rows": rows})
+            write_document(args.json, "remat-pass-plan",
+                           {"budget_bytes": budget, "predicted_only": True, "rows": rows})
         return EXIT_OK
     if not args.budget and not args.device_memory:
         raise ValueError("plan needs --budget SIZE (activation bytes) or --device-memory SIZE")
@@ -120,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
         if args.json:
-            write_json(args.json, {
+            write_document(args.json, "remat-pass-plan", {
                 "budget_bytes": budget, "schedule": None, "error": str(e),
                 "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
                 "unconstrained_peak_bytes": planner.unconstrained_peak_bytes,
@@ -133,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         doc = plan_json(plan, result)
         doc.update(static=w.static.to_dict(), static_bytes=w.static.total_bytes,
                    device_memory_bytes=w.device_memory_bytes, predicted_only=w.predicted_only)
-        write_json(args.json, doc)
+        write_document(args.json, "remat-pass-plan", doc)
         print(f"wrote {args.json}", file=sys.stderr)
     return _plan_outcome(result, budget, plan.schedule.provenance, plan.predicted_peak_bytes)
 
@@ -168,14 +169,15 @@ def _plan_op(args: argparse.Namespace, w: Workload, budget: int) -> int:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
         if args.json:
-            write_json(args.json, {"budget_bytes": budget, "granularity": "op", "partition": None, "error": str(e),
-                                   "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
-                                   "unconstrained_peak_bytes": planner.unconstrained_peak_bytes})
+            write_document(args.json, "remat-pass-plan", {
+                "budget_bytes": budget, "granularity": "op", "partition": None, "error": str(e),
+                "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
+                "unconstrained_peak_bytes": planner.unconstrained_peak_bytes})
         raise
     result = w.result(plan.partition)
     calibration_note(w)
     print(op_plan_text(plan, result, planner, time.perf_counter() - t0))
     if args.json:
-        write_json(args.json, op_plan_json(plan, result))
+        write_document(args.json, "remat-pass-plan", op_plan_json(plan, result))
         print(f"wrote {args.json}", file=sys.stderr)
     return _plan_outcome(result, budget, plan.partition.provenance, plan.predicted_peak_bytes)

@@ -20,7 +20,9 @@ from ..errors import InvalidSchedule
 from ..formatting import fmt_bytes, mib, text_table
 from ..recompute.partition import Partition
 from ..recompute.policies import KINDS, POLICIES, recompute_modules, save_policy
-from ..report.schedule_report import SWEEP_COLUMNS, sweep_rows, write_json
+from ..report.documents import write_document
+from ..report.schedule_report import sweep_columns, sweep_rows, sweep_unit
+from ..report.sweep_summary import sweep_summary
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.session import Session
 from ..evaluate.workload import Workload, fits
@@ -134,7 +136,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   "(\"partial\": true)", file=sys.stderr)
         raise
     calibration_note(w)
-    print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
+    unit = sweep_unit(results)
+    print(text_table(sweep_columns(unit), sweep_rows(results, unit)))
+    for line in sweep_summary(results, w.static, w.device_memory_bytes):
+        print(line)
     noisy = [r for r in results if r.grads_within_run_to_run]
     if noisy:
         print(f"note: the un-rewritten step's backward is not bitwise reproducible (its gradients differ by up "
@@ -160,7 +165,7 @@ def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[Sched
     """The sweep's JSON: the model, target, stacks, static memory and one row per schedule;
     ``partial``: the sweep was interrupted and ``rows`` holds the schedules finished."""
     rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
-    write_json(args.json, {
+    write_document(args.json, "remat-pass-sweep", {
         "model": model_name(args),
         "description": w.description,
         "target": args.target,

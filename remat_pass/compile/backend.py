@@ -316,22 +316,18 @@ def backend(
             ``"optimized"``. Default: ``"uniform"``; with ``granularity="op"``,
             ``"optimized"`` when a budget is given, else ``"none"``.
         recompute_num_layers: K (uniform, 1..L) or N (block, 0..L), as
-            ``--recompute-num-layers``; required with uniform and block (there is no
-            default); L is checked per compiled graph.
+            ``--recompute-num-layers``; required with uniform and block.
         budget_bytes: with ``schedule="optimized"``, the peak activation bytes allowed
             for the training step (an int, or a size with a unit such as ``"80MiB"``);
             each graph is planned alone when it compiles, all together after the first
             step (``InfeasibleBudget``, with the least feasible step peak, if none fits).
         compiler: ``"eager"`` (the fx graphs; gradients equal eager's on CPU) or ``"inductor"``.
         layers: the layer stack's module path (``"transformer.h"``); None: found automatically.
-        report_dir: write each graph's report there (``graph_<frame>_<n>.json``, ``.md``,
-            ``.remat.json`` for ``remat-pass inspect --graph``) and the first step's
-            (``step.json``, ``step.md``); None: ``$REMAT_PASS_REPORT_DIR`` if set.
-        calibrate: calibrate op scratch on this CPU for the predicted peaks (cached
-            under ``~/.cache/remat-pass``); False: the ATen formula table only.
-        on_error: ``"raise"`` (default) or ``"fallback"``: run a graph the pass cannot
-            handle (or all graphs of a step that cannot be composed) un-rewritten, with
-            a ``RematFallbackWarning``.
+        report_dir: write each graph's report and the first step's there (JSON,
+            Markdown, ``.remat.json`` dumps); None: ``$REMAT_PASS_REPORT_DIR`` if set.
+        calibrate: calibrate op scratch on this CPU (cached); False: the formula table.
+        on_error: ``"raise"`` or ``"fallback"``: run what the pass cannot handle (a
+            graph, or a step that cannot be composed) un-rewritten, with a warning.
         num_layers: deprecated name of ``recompute_num_layers`` (it is K or N, not L).
         granularity: ``"layer"`` or ``"op"`` (see ``BackendOptions``): op-level
             partitions, the optimum under ``budget_bytes``, or
@@ -345,11 +341,9 @@ def backend(
         A RematBackend; its ``reports`` fill as graphs compile (on the first call).
 
     Raises:
-        InvalidSchedule, InvalidBackendOption: see BackendOptions (uniform and block
-            need ``recompute_num_layers``).
-        LayerStackNotFound: at the end of the first training step, when ``layers``
-            names a path no compiled graph holds (with ``on_error="fallback"``: a
-            ``RematFallbackWarning``).
+        InvalidSchedule, InvalidBackendOption: see BackendOptions.
+        LayerStackNotFound: after the first step, when no graph holds ``layers``
+            (``on_error="fallback"``: a ``RematFallbackWarning``).
 
     Example:
         >>> import remat_pass, torch

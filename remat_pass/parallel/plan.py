@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch.nn as nn
 
 from ..recompute import schedule as schedules
+from ..recompute.schedule import megatron_flags  # noqa: F401 - also this module's public name
 from ..graph.costs import node_flops
 from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, text_table
@@ -120,19 +121,6 @@ def fsdp_rows(config: ParallelConfig, preds: Sequence[FsdpSettingPrediction]) ->
     ranks = f"0-{config.fsdp - 1}"
     return [[ranks, p.schedule, mib(p.prediction.peak_bytes), mib(p.prediction.static_bytes), p.prediction.where]
             for p in preds]
-
-
-def megatron_flags(method: str, recompute_num_layers: int | None) -> str:
-    """Megatron-LM's command-line flags for one setting.
-
-    Example:
-        >>> megatron_flags("uniform", 2)
-        '--recompute-granularity full --recompute-method uniform --recompute-num-layers 2'
-    """
-    if method == "none":
-        return "(no recompute flags)"
-    return (f"--recompute-granularity full --recompute-method {method} "
-            f"--recompute-num-layers {recompute_num_layers}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,6 +254,34 @@ def distinct_megatron_schedules(num_layers: Layers) -> list[Schedule]:
     return out
 
 
+def megatron_equivalent(schedule: Schedule) -> Schedule | None:
+    """The Megatron-LM setting (``none``, uniform K, block N; the first of
+    ``distinct_megatron_schedules``) that recomputes the same groups as ``schedule``, or
+    None when no Megatron flag expresses it (e.g. groups of three with stored layers
+    after them). The groups are compared, so an ``optimized`` plan that is block(N=16)
+    is named as such.
+
+    >>> megatron_equivalent(optimized(((0,), (1,)), 4)).provenance
+    'block(N=2)'
+    """
+    sizes = schedule.stack_sizes or schedule.num_layers
+    return next((s for s in distinct_megatron_schedules(sizes) if s.groups == schedule.groups), None)
+
+
+def megatron_flags(method: str, recompute_num_layers: int | None) -> str:
+    """Megatron-LM's command-line flags for one setting (``--recompute-granularity full
+    --recompute-method`` and ``--recompute-num-layers``, Megatron-LM's arguments.py).
+
+    Example:
+        >>> megatron_flags("uniform", 2)
+        '--recompute-granularity full --recompute-method uniform --recompute-num-layers 2'
+    """
+    if method == "none":
+        return "(no recompute flags)"
+    return (f"--recompute-granularity full --recompute-method {method} "
+            f"--recompute-num-layers {recompute_num_layers}")
+
+
 def recompute_fraction(recompute_flops: int, forward_flops: int) -> float:
     """Recompute FLOPs as a fraction of forward FLOPs (0 when forward has none)."""
     return recompute_flops / forward_flops if forward_flops else 0.0

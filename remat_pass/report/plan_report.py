@@ -10,6 +10,7 @@ import sympy
 from solvers import closed_forms
 
 from ..recompute import schedule as schedules
+from ..recompute.schedule import Schedule, megatron_equivalent, megatron_flags
 from ..formatting import fmt_bytes
 from ..plan.op_planner import OpPlan, OpPlanner
 from ..plan.chain_calibration import closed_forms as chain_closed_forms
@@ -100,6 +101,7 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
         f"schedule           {p.describe()}",
         f"  groups           {' '.join(str(list(g)) for g in p.schedule.groups) or 'none'}",
         f"  stored layers    {' '.join(map(str, p.schedule.stored_layers)) or 'none'} (of L={p.schedule.num_layers})",
+        f"Megatron-LM        {megatron_text(p.schedule)}",
         f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
         f"chain model {p.model_peak_bytes}",
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
@@ -122,6 +124,24 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
     return "\n".join(lines)
 
 
+def megatron_text(schedule: Schedule) -> str:
+    """The Megatron-LM flags of a plan's schedule when one setting recomputes the same
+    groups (``schedule.megatron_equivalent``), else why no flag expresses it."""
+    same = megatron_equivalent(schedule)
+    if same is None:
+        return ("not expressible with --recompute-method uniform / block (its groups are not K layers each over "
+                "the whole stack, nor the first N layers one by one); apply it with this project's rewrite")
+    return f"{megatron_flags(same.method, same.recompute_num_layers)} ({same.provenance})"
+
+
+def megatron_json(schedule: Schedule) -> dict[str, Any] | None:
+    """``{"provenance", "flags"}`` of the equal Megatron-LM setting, or None."""
+    same = megatron_equivalent(schedule)
+    if same is None:
+        return None
+    return {"provenance": same.provenance, "flags": megatron_flags(same.method, same.recompute_num_layers)}
+
+
 def _plan_scratch(p: Plan) -> dict[str, Any] | None:
     m = p.peak_scratch
     if m is None:
@@ -142,6 +162,7 @@ def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
             "stored_layers": list(p.schedule.stored_layers),
             "num_layers": p.schedule.num_layers,
         },
+        "megatron": megatron_json(p.schedule),
         "predicted_peak_bytes": p.predicted_peak_bytes,
         "model_peak_bytes": p.model_peak_bytes,
         "measured_peak_bytes": result.measured_peak_bytes,

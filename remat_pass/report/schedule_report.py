@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jsonschema
 
@@ -38,18 +38,37 @@ SWEEP_COLUMNS = (
     "schedule", "predicted MiB", "measured MiB", "error %", "vs none MiB", "saved MiB",
     "recompute % fwd FLOPs", "peak at", "grads equal", "pass s",
 )
+GIB_FROM = 10 * 2**30
+"""A sweep whose largest peak reaches this many bytes is printed in GiB, not MiB (a 70B
+model's peaks are six-digit MiB); the JSON keeps exact bytes either way."""
 
 
-def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
-    """One list of cells per result, in SWEEP_COLUMNS order."""
+def sweep_unit(results: Sequence[ScheduleResult]) -> str:
+    """``"MiB"``, or ``"GiB"`` when the largest predicted peak is ``GIB_FROM`` or more."""
+    peaks = [r.predicted_peak_bytes or 0 for r in results]
+    return "GiB" if peaks and max(peaks) >= GIB_FROM else "MiB"
+
+
+def sweep_columns(unit: str = "MiB") -> tuple[str, ...]:
+    """SWEEP_COLUMNS with the byte columns in ``unit``."""
+    return tuple(c.replace("MiB", unit) for c in SWEEP_COLUMNS)
+
+
+def _in(unit: str) -> Callable[[float], str]:
+    return mib if unit == "MiB" else (lambda n: f"{n / 2**30:.2f}")
+
+
+def sweep_rows(results: Sequence[ScheduleResult], unit: str = "MiB") -> list[list[str]]:
+    """One list of cells per result, in ``sweep_columns(unit)`` order."""
+    size = _in(unit)
     return [
         [
             r.provenance,
-            mib(r.predicted_peak_bytes) if r.grads_match or r.predicted_only else "-",
-            mib(r.measured_peak_bytes) if r.grads_match else "-",
+            size(r.predicted_peak_bytes) if r.grads_match or r.predicted_only else "-",
+            size(r.measured_peak_bytes) if r.grads_match else "-",
             f"{100 * r.error_fraction:+.2f}" if r.grads_match else "-",
-            _saving(r),
-            mib(r.saved_activation_bytes),
+            _saving(r, size),
+            size(r.saved_activation_bytes),
             f"{100 * r.recompute_fraction:.1f}",
             where(r.peak_phase, r.peak_layer),
             ("predicted only" if r.predicted_only else "yes" if r.grads_equal
@@ -60,12 +79,12 @@ def sweep_rows(results: Sequence[ScheduleResult]) -> list[list[str]]:
     ]
 
 
-def _saving(r: ScheduleResult) -> str:
+def _saving(r: ScheduleResult, size: Callable[[float], str] = mib) -> str:
     if not (r.grads_match or r.predicted_only) or r.peak_saving_vs_none_bytes is None:
         return "-"
     if r.schedule != "none" and r.peak_saving_vs_none_bytes <= 0:
-        return "saves nothing" if r.peak_saving_vs_none_bytes == 0 else f"+{mib(-r.peak_saving_vs_none_bytes)}"
-    return f"-{mib(r.peak_saving_vs_none_bytes)}" if r.peak_saving_vs_none_bytes else "0.00"
+        return "saves nothing" if r.peak_saving_vs_none_bytes == 0 else f"+{size(-r.peak_saving_vs_none_bytes)}"
+    return f"-{size(r.peak_saving_vs_none_bytes)}" if r.peak_saving_vs_none_bytes else "0.00"
 
 
 def write_json(path: str | Path, payload: Any) -> None:

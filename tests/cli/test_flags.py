@@ -184,3 +184,21 @@ def test_a_module_kind_pattern_that_matches_nothing_says_so(capsys):
     assert main(argv) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "'ffn' matches no module inside the layers of 'transformer.h'" in err and "mlp.c_fc" in err, err
+
+
+def test_an_output_in_a_missing_folder_is_refused_and_nothing_is_made(tmp_path, capsys):
+    """`--json /nonexistent/dir/out.json` made the folders (as root, under /)."""
+    target = tmp_path / "no" / "such" / "out.json"
+    assert main(["sweep", "--json", str(target)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "does not exist; make it first" in err and not (tmp_path / "no").exists(), err
+
+
+def test_png_without_matplotlib_is_refused_before_tracing(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["report", "--png", "t.png"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "pip install 'remat-pass[plot]'" in err and "tracing" not in err, err

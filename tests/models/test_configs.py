@@ -142,7 +142,3 @@ def test_paths_and_sizes_are_checked_before_any_model_is_built(tmp_path, capsys,
         assert w in err, err
 
 
-def test_a_json_file_in_a_new_folder_is_written(tmp_path):
-    out = tmp_path / "new" / "folder" / "rows.json"
-    assert main(["sweep", "--model", "remat_pass.models:linear_chain", "--layers", "2", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["rows"]
