@@ -20,6 +20,7 @@ from ..errors import InvalidSchedule
 from ..formatting import fmt_bytes, mib, text_table
 from ..recompute.partition import Partition
 from ..recompute.policies import KINDS, POLICIES, recompute_modules, save_policy
+from ..models.megatron import megatron_note
 from ..report.schedule_report import SWEEP_COLUMNS, sweep_rows, write_json
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.session import Session
@@ -135,6 +136,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise
     calibration_note(w)
     print(text_table(SWEEP_COLUMNS, sweep_rows(results)))
+    crashes = megatron_note(w.step.model, todo)
+    if crashes:
+        print(crashes)
     noisy = [r for r in results if r.grads_within_run_to_run]
     if noisy:
         print(f"note: the un-rewritten step's backward is not bitwise reproducible (its gradients differ by up "

@@ -292,3 +292,51 @@ def megatron_gpt(
         "labels": ids.clone(),
     }
     return model, inputs, mean_loss
+
+
+def is_megatron_core(model: torch.nn.Module | None) -> bool:
+    """Whether ``model`` holds a Megatron-Core ``TransformerBlock`` (its recompute runs
+    ``TransformerBlock._checkpointed_forward``)."""
+    return model is not None and any(
+        type(m).__name__ == "TransformerBlock" and type(m).__module__.startswith("megatron.core")
+        for m in model.modules())
+
+
+def megatron_crashes_on(schedules: Any) -> list[Any]:
+    """The ``uniform`` schedules Megatron-Core 0.16.1 itself cannot run: K does not
+    divide the layers of a stack (``--num-layers`` per pipeline stage).
+    ``TransformerBlock._checkpointed_forward`` (``transformer/transformer_block.py``)
+    checkpoints ``custom(i, i + K)`` for ``i = 0, K, 2K, ...`` while ``i < L``, and the last
+    chunk asks for layer ``L`` (``custom(6, 9)`` at L = 8: ``IndexError``).
+
+    Args:
+        schedules: ``recompute.schedule.Schedule`` values (other values are skipped).
+
+    Example:
+        >>> from remat_pass.recompute.schedule import megatron_schedules
+        >>> [s.provenance for s in megatron_crashes_on(megatron_schedules(4))]
+        ['uniform(K=3)']
+    """
+    out = []
+    for s in schedules:
+        if getattr(s, "method", None) != "uniform":
+            continue
+        sizes = tuple(s.stack_sizes) or (s.num_layers,)
+        if any(size % s.recompute_num_layers for size in sizes):
+            out.append(s)
+    return out
+
+
+def megatron_note(model: torch.nn.Module | None, schedules: Any) -> str | None:
+    """The sweep's note on a Megatron-Core model: the uniform K that Megatron-Core itself
+    crashes on (``megatron_crashes_on``); None for another model or when there are none."""
+    if not is_megatron_core(model):
+        return None
+    crashes = megatron_crashes_on(schedules)
+    if not crashes:
+        return None
+    names = ", ".join(s.provenance for s in crashes)
+    return (f"note: Megatron-Core itself cannot run {names}: --recompute-method uniform with a "
+            "--recompute-num-layers that does not divide the layers per stage raises IndexError in "
+            "TransformerBlock._checkpointed_forward (its last chunk goes past the last layer); those rows "
+            "are this pass's rewrite only, not a Megatron setting")

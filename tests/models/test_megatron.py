@@ -78,3 +78,23 @@ def test_command_line_sweeps_the_megatron_factory(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == len(schedule.megatron_schedules(2))
     assert all(r["grads_equal"] and r["predicted_peak_bytes"] == r["measured_peak_bytes"] for r in rows)
+
+
+@pytest.mark.slow
+def test_sweep_marks_the_uniform_k_megatron_crashes_on(capsys):
+    """uniform(K=3) at L = 4: Megatron-Core's own _checkpointed_forward raises IndexError
+    (run here); the sweep says so for that K alone."""
+    with megatron_cpu():
+        model, inputs, loss_fn = megatron_gpt(layers=4, dropout=0.0)
+        for k, crashes in ((2, False), (3, True)):
+            for m in (model.config, model.decoder.config):
+                m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", k
+            try:
+                loss_fn(model(**inputs)).backward()
+            except IndexError:
+                assert crashes, f"K={k}"
+            else:
+                assert not crashes, f"K={k}"
+    assert cli.main(["sweep", "--model", "remat_pass.models.megatron:megatron_gpt", "--layers", "4"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: Megatron-Core")]
+    assert len(notes) == 1 and "uniform(K=3)" in notes[0] and "uniform(K=2)" not in notes[0]
