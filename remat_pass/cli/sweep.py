@@ -20,6 +20,7 @@ from ..errors import InvalidSchedule
 from ..formatting import fmt_bytes, mib, text_table
 from ..recompute.partition import Partition
 from ..recompute.policies import KINDS, POLICIES, recompute_modules, save_policy
+from ..models.megatron import megatron_note
 from ..report.documents import write_document
 from ..report.schedule_report import sweep_columns, sweep_rows, sweep_unit
 from ..report.sweep_summary import sweep_summary
@@ -140,6 +141,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(text_table(sweep_columns(unit), sweep_rows(results, unit)))
     for line in sweep_summary(results, w.static, w.device_memory_bytes):
         print(line)
+    crashes = megatron_note(w.step.model, todo)
+    if crashes:
+        print(crashes)
     noisy = [r for r in results if r.grads_within_run_to_run]
     if noisy:
         print(f"note: the un-rewritten step's backward is not bitwise reproducible (its gradients differ by up "

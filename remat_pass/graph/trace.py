@@ -30,6 +30,7 @@ from ..errors import RematError, UnsupportedGraph
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
+from .trace_context import constant_values_mode, functional_collectives
 from .untraceable import explain_untraceable, quiet_fake_tensor_log
 
 
@@ -352,7 +353,11 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         trace_values: real tensors, or FakeTensors of one mode.
         dynamic: a symbolic trace (its fakes bring their own mode and ShapeEnv).
         fake_mode: the mode of fake ``trace_values`` for a concrete trace (default: a
-            new mode, in which AOTAutograd fakes real tensors).
+            new mode, in which AOTAutograd fakes real tensors and the values of the
+            graph's small constants are known: ``trace_context.constant_values_mode``).
+
+    ``torch.distributed`` collectives are traced as functional collectives
+    (``trace_context.functional_collectives``).
 
     Raises:
         UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
@@ -367,12 +372,12 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
     compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
                             partition_fn=capture, dynamic=dynamic)
     # Tensors the model or loss_fn close over (targets, masks) become graph constants.
-    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_mode or constant_values_mode()
     try:
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
         context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
-        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log():
+        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log(), functional_collectives():
             compiled(*trace_values)
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs

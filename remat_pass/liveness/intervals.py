@@ -215,12 +215,25 @@ class _IntervalBuilder:
         # storage ids per node: an int for a tensor, a list for a tuple, None otherwise
         self.sid_of: dict[fx.Node, Any] = {}
         self.primal_sid: dict[str, int] = {}
+        self.constant_sid: dict[Any, int] = {}  # a graph constant's storage -> its one storage id
 
     def new_storage(self, val: torch.Tensor, node: fx.Node, static: bool, kind: str) -> int:
         first = -1 if static else self.step_of[node]
         self.storages.append(
             Storage(self.size_of(val), first, first, node.name, self.step.layer_of.get(node.name), kind, static))
         return len(self.storages) - 1
+
+    def constant_storage(self, val: torch.Tensor, node: fx.Node) -> int:
+        """The static storage of a get_attr constant: one per storage of the graph
+        modules' attributes, however many nodes (in forward and backward) read it and
+        whichever views of it they are (Megatron's ``GlobalMemoryBuffer``)."""
+        attr: Any = node.graph.owning_module
+        for part in str(node.target).split("."):
+            attr = getattr(attr, part, None)
+        key = attr.untyped_storage()._cdata if isinstance(attr, torch.Tensor) else ("node", node.name)
+        if key not in self.constant_sid:
+            self.constant_sid[key] = self.new_storage(val, node, True, "static")
+        return self.constant_sid[key]
 
     def touch(self, sids: Any, at: int) -> None:
         """Extend the storage(s) ``sids`` (an id or a nested list of ids) to step ``at``."""
@@ -278,7 +291,7 @@ class _IntervalBuilder:
         parent = node.args[0] if node.args else None
         if node.op == "get_attr":  # a constant of the graph module: exists before the step
             val = tensor_val(node)
-            self.sid_of[node] = None if val is None else self.new_storage(val, node, True, "static")
+            self.sid_of[node] = None if val is None else self.constant_storage(val, node)
         elif node.target is operator.getitem and isinstance(self.sid_of.get(parent), list):
             self.sid_of[node] = self.sid_of[parent][node.args[1]]
         else:

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedGraph
+from .collective_release import released_by_collective_thread
 from ..graph.flat_step import _split_inputs, extract_loss
 from ..graph.op_signature import RealLayout, op_call, value_argument
 from ..recompute.rewrite import RewrittenStep
@@ -107,6 +108,7 @@ def _run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayou
             except RuntimeError as e:
                 raise _cannot_run(n, e, first_mismatch) from e
             del a, k
+            released_by_collective_thread(n, env[n])
             if first_mismatch is None:
                 first_mismatch = _stride_mismatch(n, env[n])
             if layouts is not None:

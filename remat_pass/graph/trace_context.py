@@ -1,0 +1,139 @@
+"""What ``trace.capture_joint`` traces a concrete step under: a fake mode in which values
+computed only from the graph's constants are known, and ``torch.distributed``'s
+collectives traced as functional collectives.
+
+**Known constant values** (``constant_values_mode``). A real tensor the step reads that
+is not one of its inputs (a tensor the model closes over, ``torch.get_rng_state()``)
+becomes a constant of the graph: every run of the graph reads the value it had when
+traced. FakeTensorMode propagates the values of such constants through the ops on them
+(``fake_tensor.py``, ``FakeTensor.constant``) but only for tensors of at most
+``CONSTANT_NUMEL_LIMIT`` (1) element, so a check such as Megatron-Core's
+``torch.all(cpu_rng_state == torch.get_rng_state()).item()``
+(``CudaRNGStatesTracker.fork``, ``tensor_parallel/random.py``) is refused as
+data-dependent although its value is fixed by the graph's constants. Here constants of up
+to ``KNOWN_NUMEL_LIMIT`` elements keep their values through the ops computed only from
+constants, so such a scalar is known when tracing (the graph is specialized to it, as
+for any Python value it reads); the ops themselves stay in the graph, and a value that
+depends on an input (a primal) is unknown as before.
+
+**Functional collectives** (``functional_collectives``). ``torch.distributed``'s in-place
+collectives (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+their ``_base`` forms) traced by AOTAutograd become effectful ``c10d`` ops threaded by an
+effect token (an extra input and forward output) whose c10d ``Work`` nobody waits on.
+While tracing they are the functional collectives Dynamo maps them to
+(``torch.distributed._functional_collectives.traceable_collective_remaps``): the
+collective, ``wait_tensor``, and a copy into the tensor, so the graph has no token and
+the collectives are the ones ``graph.costs.collective_rule`` models. Asynchronous calls
+(``async_op=True``) are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+KNOWN_NUMEL_LIMIT = 1 << 16
+"""The most elements a constant (or a value computed from constants) may have for its
+value to be kept while tracing (the CPU generator's state has 5,056)."""
+
+
+def _known_value(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.layout == torch.strided
+            and t.device.type != "meta" and t.numel() <= KNOWN_NUMEL_LIMIT)
+
+
+def _validate_and_convert(self: FakeTensorMode, func: Any, converter: Any, flat_args: Any, args_spec: Any) -> Any:
+    validated, fakes = FakeTensorMode.validate_and_convert_non_fake_tensors(self, func, converter, flat_args, args_spec)
+    for real, fake in zip(flat_args, validated):
+        if _known_value(real) and isinstance(fake, FakeTensor) and fake.constant is None and not real.requires_grad:
+            fake.constant = real  # a constant of the graph: its value is known
+    return validated, fakes
+
+
+def _may_turn_const(self: FakeTensorMode, t: torch.Tensor) -> bool:
+    return _known_value(t) and not self.is_our_fake(t)
+
+
+def constant_values_mode() -> FakeTensorMode:
+    """A ``FakeTensorMode(allow_non_fake_inputs=True)`` in which real tensors (the graph's
+    constants) of up to ``KNOWN_NUMEL_LIMIT`` elements, and the values of ops computed
+    only from them, are known (see the module docstring).
+
+    The mode is a FakeTensorMode, not a subclass (higher-order ops such as
+    ``with_effects`` register their fake implementations for that class): its two
+    methods that decide what is a constant are replaced on the instance.
+
+    Example:
+        >>> from torch._functorch.aot_autograd import aot_function
+        >>> state = torch.zeros(5056, dtype=torch.uint8)
+        >>> def f(x):
+        ...     same = torch.all(state == state.clone()).item()   # known: True
+        ...     return (x * 2 if same else x).sum()
+        >>> from torch._guards import TracingContext, tracing
+        >>> with tracing(TracingContext(constant_values_mode())):
+        ...     _ = aot_function(f, fw_compiler=lambda g, _: g)(torch.ones(3, requires_grad=True))
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode.validate_and_convert_non_fake_tensors = types.MethodType(_validate_and_convert, mode)
+    mode.may_turn_const = types.MethodType(_may_turn_const, mode)
+    return mode
+
+
+def _reduce_op(op: Any) -> str:
+    from torch.distributed._functional_collectives import REDUCE_OP_TO_STR
+
+    return REDUCE_OP_TO_STR[op] if not isinstance(op, str) else op
+
+
+def _remapped() -> dict[str, Any]:
+    """``torch.distributed`` name -> its functional in-place replacement (same arguments)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: ANN001, ANN202
+        if async_op:
+            return originals["all_reduce"](tensor, op, group, async_op)
+        fc.all_reduce_inplace(tensor, _reduce_op(op), group)
+        return None
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
+        if async_op:
+            return originals["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
+        fc.all_gather_tensor_inplace(output_tensor, input_tensor, group)
+        return None
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002, ANN001, ANN202
+        if async_op:
+            return originals["reduce_scatter_tensor"](output, input, op, group, async_op)
+        fc.reduce_scatter_tensor_inplace(output, input, _reduce_op(op), group)
+        return None
+
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}
+    return {"all_reduce": all_reduce, "all_gather_into_tensor": all_gather_into_tensor,
+            "_all_gather_base": all_gather_into_tensor, "reduce_scatter_tensor": reduce_scatter_tensor,
+            "_reduce_scatter_base": reduce_scatter_tensor}
+
+
+@contextlib.contextmanager
+def functional_collectives() -> Iterator[None]:
+    """While tracing, ``torch.distributed``'s in-place collectives are the functional
+    collectives Dynamo maps them to (see the module docstring); restored on exit.
+    Nothing happens when ``torch.distributed`` is not initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    replacements = _remapped()
+    saved = {name: getattr(dist, name) for name in replacements}
+    try:
+        for name, fn in replacements.items():
+            setattr(dist, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
