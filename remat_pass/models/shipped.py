@@ -134,7 +134,9 @@ def tiny_gpt(
     """
     torch.manual_seed(seed)
     model = TinyGPT(vocab, hidden, heads, layers, seq, dropout).train()
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    # the batch is made on the CPU even under ``torch.device("meta")`` (--meta): the loss
+    # closes over the targets, and a closure must hold real values
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed), device="cpu")
     targets = torch.roll(ids, -1, dims=1)
 
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
