@@ -61,7 +61,7 @@ class PeakChecker:
     def __init__(self, request: pytest.FixtureRequest):
         self._request = request
         marker = request.node.get_closest_marker("remat_budget")
-        self.default_budget = marker.args[0] if marker and marker.args else None
+        self.default_budget = _marker_budget(marker) if marker is not None else None
         self.update_baseline = bool(request.config.getoption("--remat-update-baseline"))
         self.default_max_regression = request.config.getini("remat_max_regression") or "0%"
 
@@ -159,8 +159,30 @@ class PeakChecker:
                       max_regression=max_regression if max_regression is not None else self.default_max_regression,
                       update_baseline=self.update_baseline)
         if not result.ok:
-            pytest.fail(result.text(), pytrace=False)
+            # the first line is what pytest's short summary shows: the failures, not the
+            # first finding (which may be a check that passed)
+            failed = "; ".join(f.headline for f in result.findings if not f.ok)
+            pytest.fail(f"remat-pass: {failed}\n{result.text()}", pytrace=False)
         return report
+
+
+def _marker_budget(marker: Any) -> str | int:
+    """The size of ``@pytest.mark.remat_budget(size)``, checked when the test starts.
+
+    Raises:
+        pytest.fail.Exception: no size, more than one, or one ``formatting.parse_bytes``
+            does not read (the message says what is allowed).
+    """
+    from .formatting import parse_bytes
+
+    if len(marker.args) != 1 or marker.kwargs:
+        pytest.fail(f"@pytest.mark.remat_budget takes one size, e.g. remat_budget('2GiB'); got args {marker.args} "
+                    f"kwargs {marker.kwargs}", pytrace=False)
+    try:
+        parse_bytes(marker.args[0])
+    except ValueError as e:
+        pytest.fail(f"@pytest.mark.remat_budget({marker.args[0]!r}): {e}", pytrace=False)
+    return marker.args[0]
 
 
 @pytest.fixture

@@ -133,3 +133,31 @@ def test_nothing(remat_peak):
 def test_marker_is_registered(pytester):
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines(["*remat_budget(size)*"])
+
+
+def test_summary_names_the_failure_and_a_bad_marker_is_a_clear_failure(pytester):
+    """pytest's short summary read "Failed: PASS none: ..." when the first finding
+    passed (a budget that fits, a baseline that grew); a marker size that does not parse
+    raised a raw ValueError from inside the gate."""
+    pytester.makepyfile(test_x='''
+import pytest
+from remat_pass.models import linear_chain
+
+@pytest.mark.remat_budget("1GiB")
+def test_budget_fits_baseline_grew(remat_peak, tmp_path):
+    import json
+    report = remat_peak.predict(*linear_chain(batch=8, width=32, layers=2))
+    report["peak_bytes"] = 1  # a baseline whose peak was smaller
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps({"schema_version": 2, "kind": "remat-pass-reports", "reports": [report]}))
+    remat_peak.check(*linear_chain(batch=8, width=32, layers=2), baseline=path)
+
+@pytest.mark.remat_budget("12 parsecs")
+def test_bad_marker(remat_peak):
+    remat_peak.check(*linear_chain(batch=8, width=32, layers=2))
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rf")
+    result.assert_outcomes(failed=1, errors=1)  # the marker is read when the fixture is set up
+    result.stdout.fnmatch_lines(["FAILED test_x.py::test_budget_fits_baseline_grew - Failed: remat-pass: none: *"])
+    result.stdout.fnmatch_lines(["*@pytest.mark.remat_budget('12 parsecs'): size '12 parsecs' is not a number*"])
+    assert "Failed: PASS" not in result.stdout.str() and "ValueError" not in result.stdout.str()
