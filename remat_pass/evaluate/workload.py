@@ -28,11 +28,12 @@ from typing import Any, Callable
 
 from ..recompute import schedule as schedules
 from ..memory.calibration import CalibrationOptions
-from ..models.configs import ConfigError
+from ..models.configs import ConfigError, available_memory_bytes
 from ..memory.cuda_target import GPUS, CudaAllocatorModel
-from ..formatting import parse_bytes
+from ..formatting import fmt_bytes, parse_bytes
 from ..liveness.layer_reuse import ReusedLayers, ReusedLayersModel
-from ..liveness.timeline import MemoryReport
+from ..liveness.timeline import MemoryReport, analyze
+from ..recompute.rewrite import rewrite
 from ..plan.planner import Planner
 from ..recompute.schedule import Schedule
 from ..memory.static_memory import StaticMemory, StaticOptions, activation_budget, static_memory, static_tensors
@@ -241,6 +242,7 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
         other = _other_static(step.reuse.static_bytes(), tensors, static_options)
         static = static_memory(tensors, static_options, other)
         return Workload(o, step, None, allocator, static, device_memory, step.description)
+    check_fits_this_machine(step)
     calibration = CalibrationOptions(cache_dir=o.calibration_cache) if o.calibrate else None
     # a step that cannot run gets no peak (it is refused, naming the node), and every
     # rewrite takes the real layouts of that run, calibrated or not
@@ -255,6 +257,39 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
     step_static = session.report(schedules.none(stack.layers_per_stack), allocator).static_bytes
     static = static_memory(tensors, static_options, _other_static(step_static, tensors, static_options))
     return Workload(o, step, session, allocator, static, device_memory, step.description)
+
+
+RUN_MEMORY_FRACTION = 0.9
+"""A step is run here only when its predicted bytes (``none``'s peak + static memory,
+op scratch by the formula table) are under this fraction of the available memory."""
+
+
+def check_fits_this_machine(step: TracedStep, available: int | None = None) -> None:
+    """Refuse, before anything runs, a step whose un-rewritten peak cannot fit in this
+    machine's memory (a ``--seq 100000`` on a small model would otherwise swap for many
+    minutes): the estimate is liveness of the ``none`` rewrite with the ATen formula
+    table (no op is run), static memory included.
+
+    Args:
+        step: the traced step (real tensors: it would be run and measured).
+        available: bytes available (default: ``configs.available_memory_bytes``; None
+            there: not checked).
+
+    Raises:
+        ConfigError: the estimate exceeds ``RUN_MEMORY_FRACTION`` of ``available``; the
+            message gives both and the ways out (--meta, a smaller shape).
+    """
+    available = available_memory_bytes() if available is None else available
+    if available is None or step.predicted_only:  # a fake trace runs nothing
+        return
+    report = analyze(rewrite(step.joint, step.stack, schedules.none(step.stack.layers_per_stack)))
+    need = report.peak_bytes + report.static_bytes
+    if need > RUN_MEMORY_FRACTION * available:
+        raise ConfigError(
+            f"running this step needs about {fmt_bytes(need)} (the un-rewritten peak {fmt_bytes(report.peak_bytes)} "
+            f"+ static {fmt_bytes(report.static_bytes)}, predicted without running anything) and this machine has "
+            f"{fmt_bytes(available)} available: add --meta to predict every setting without running it, or give "
+            "a smaller --batch / --seq")
 
 
 def _other_static(step_static_bytes: int, tensors: Any, options: StaticOptions) -> int:

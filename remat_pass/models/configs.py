@@ -376,16 +376,23 @@ def with_autocast(model: nn.Module, device_type: str, dtype: str) -> nn.Module:
     return model
 
 
-def fits_in_memory(nbytes: int, fraction: float = 0.5) -> bool:
-    """Whether ``nbytes`` is under ``fraction`` of this machine's available memory
-    (``/proc/meminfo`` MemAvailable; True where it cannot be read)."""
+def available_memory_bytes() -> int | None:
+    """This machine's available memory in bytes (``/proc/meminfo`` MemAvailable), or
+    None where it cannot be read."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return nbytes <= fraction * int(line.split()[1]) * 1024
-    except OSError:
-        return True
-    return True
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def fits_in_memory(nbytes: int, fraction: float = 0.5) -> bool:
+    """Whether ``nbytes`` is under ``fraction`` of this machine's available memory
+    (``available_memory_bytes``; True where it cannot be read)."""
+    available = available_memory_bytes()
+    return available is None or nbytes <= fraction * available
 
 
 def describe(config: Any) -> str:

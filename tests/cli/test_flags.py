@@ -202,3 +202,17 @@ def test_png_without_matplotlib_is_refused_before_tracing(monkeypatch, capsys):
     assert main(["report", "--png", "t.png"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "pip install 'remat-pass[plot]'" in err and "tracing" not in err, err
+
+
+def test_a_step_that_cannot_fit_this_machine_is_refused_before_it_runs(monkeypatch, capsys):
+    """`--seq 100000` on a small model ran (and swapped) for minutes; the step's
+    predicted bytes are now compared with the available memory before anything runs."""
+    import remat_pass.evaluate.workload as workload
+
+    monkeypatch.setattr(workload, "available_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    argv = ["sweep", "--model", "remat_pass.models:linear_chain", "--layers", "2", "--no-calibrate"]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "running this step needs about" in err and "1.00 MiB available" in err and "--meta" in err, err
+    # the same step predicted with --meta runs nothing and is not refused
+    assert main([*argv, "--meta"]) == 0
