@@ -27,6 +27,7 @@ from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import RematError, UnsupportedGraph
+from .buffer_updates import move_buffer_updates
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
@@ -82,8 +83,10 @@ class JointGraph:
             not require grad, and for opaque primals).
         primals: names of the primal placeholders, in order.
         tangents: names of the tangent placeholders, in order.
-        num_fwd_outputs: number of forward outputs (1: the scalar loss, or the output
-            activation of a pipeline stage traced with ``output="activation"``).
+        num_fwd_outputs: number of forward outputs: the scalar loss (or the output
+            activation of a pipeline stage traced with ``output="activation"``), then
+            the new value of each buffer or input the step writes in place
+            (``buffer_updates``; 1 when it writes none).
         primal_values: the real values fed to the primals: parameters, then buffers,
             then the tensors of the example inputs. A tensor subclass (a DTensor
             parameter under tensor parallelism) is flattened as AOTAutograd flattens it
@@ -101,6 +104,12 @@ class JointGraph:
         model: the traced module (its parameters are the "param" primals); None for a
             graph that Dynamo captured (the torch.compile backend sees no module, and
             ``primal_values`` / ``tangent_values`` are then its fake example values).
+        buffer_updates: for each forward output after the loss, the index of the
+            primal (a buffer or input) whose new value it is: the step writes it in
+            place (BatchNorm's running statistics in train mode), traced functionally
+            (``buffer_updates.move_buffer_updates``); every node reads the value from
+            before the step, and running the step leaves the primal as it was
+            (``measure.run`` reports the new values). Empty: no write.
         symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
             name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
             used for the input dimensions given that name (``(s0, s2)``); empty for a
@@ -129,6 +138,12 @@ class JointGraph:
     shape_env: Any = None
     fake: bool = False
     output: str = "loss"
+    buffer_updates: tuple[int, ...] = ()
+
+    @property
+    def num_user_outputs(self) -> int:
+        """Forward outputs before the buffers' new values (1: the loss or activation)."""
+        return self.num_fwd_outputs - len(self.buffer_updates)
 
     @property
     def num_params(self) -> int:
@@ -212,8 +227,10 @@ def trace_joint(
         ``fake=True`` (predicted, never run).
 
     Raises:
-        UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
-            running statistics) or returns aliases of its inputs.
+        UnsupportedGraph: the step returns aliases of its inputs, or writes a
+            parameter, a value that requires grad or a tensor's metadata in place (a
+            write of a buffer's or input's values, BatchNorm's running statistics in
+            train mode, is traced: ``JointGraph.buffer_updates``).
         UnsupportedGraph: no gradient reaches any parameter or input (the joint graph
             would be the forward alone).
         UnsupportedGraph: a parameter, buffer or input is on the meta device: trace it
@@ -296,17 +313,18 @@ def joint_graph(
         UnsupportedGraph: more than one forward output, primals lost, or no gradient
             at all (see ``trace_joint``); a named size specialized.
     """
-    if num_fwd_outputs != 1:
+    tangents = [n.name for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    num_fwd_outputs, updates = move_buffer_updates(joint, num_fwd_outputs, flat.primal_labels,
+                                                   flat.primal_kinds, len(tangents))
+    if num_fwd_outputs - len(updates) != 1:
         raise UnsupportedGraph(
             f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
-            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
-            "statistics in train mode) or returns an alias of an input. Put such layers "
-            "in eval mode or remove the mutation."
+            "alone: it returns an alias of an input or several outputs. Return the loss "
+            "(or one activation for a pipeline stage)."
         )
     values = list(flat.primal_values if primal_values is None else primal_values)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
-    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
     symbols = named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
     values, kinds, labels = flatten_primals(values, flat.primal_kinds, flat.primal_labels)
     if len(primals) != len(values):
@@ -339,6 +357,7 @@ def joint_graph(
         shape_env=shape_env,
         fake=fake,
         output=output,
+        buffer_updates=updates,
     )
 
 
