@@ -38,8 +38,8 @@ def move_buffer_updates(
         num_tangents: the joint graph's number of tangent placeholders.
 
     Returns:
-        ``(number of user outputs, the primal index each new value is written to)``;
-        ``(num_fwd_outputs, ())`` when nothing is written.
+        ``(number of forward outputs, the primal index each new value is written to)``;
+        ``(1, ())`` when nothing is written.
 
     Raises:
         UnsupportedGraph: a forward output other than one user output and the new
@@ -55,6 +55,12 @@ def move_buffer_updates(
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
     updates = [d for d in descs[:num_fwd_outputs] if isinstance(d, InputMutationAOTOutput)]
     num_user = num_fwd_outputs - len(updates)
+    if not updates and num_fwd_outputs != 1:
+        raise UnsupportedGraph(
+            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
+            "alone: it returns an alias of an input or several outputs. Return the loss "
+            "(or one activation for a pipeline stage)."
+        )
     if not updates:
         return num_fwd_outputs, ()
     written = [primal_labels[d.mutated_input.idx] if isinstance(d.mutated_input, PlainAOTInput)

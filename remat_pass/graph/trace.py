@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import RematError, UnsupportedGraph
 from .buffer_updates import move_buffer_updates
+from .data_scalars import capture_specialized, error_line
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
@@ -110,6 +111,9 @@ class JointGraph:
             (``buffer_updates.move_buffer_updates``); every node reads the value from
             before the step, and running the step leaves the primal as it was
             (``measure.run`` reports the new values). Empty: no write.
+        specialized: the data-dependent scalars (``.item()``) the graph holds as
+            constants, each ``"... = value at file:line"``: the graph, and every figure
+            of it, holds for this batch (and any batch giving the same values).
         symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
             name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
             used for the input dimensions given that name (``(s0, s2)``); empty for a
@@ -139,6 +143,19 @@ class JointGraph:
     fake: bool = False
     output: str = "loss"
     buffer_updates: tuple[int, ...] = ()
+    specialized: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What every output about this step must say besides its figures: the batch
+        values the graph is specialized to (``specialized``), the buffers it writes."""
+        out = tuple(f"the graph holds for this batch only: traced specialized to {s}" for s in self.specialized)
+        if self.buffer_updates:
+            written = [self.primal_labels[i] for i in self.buffer_updates]
+            out += (f"the step writes {len(written)} buffers / inputs in place ({', '.join(written[:3])}"
+                    f"{', ...' if len(written) > 3 else ''}): their new values are forward outputs, counted "
+                    "until the step ends",)
+        return out
 
     @property
     def num_user_outputs(self) -> int:
@@ -250,14 +267,38 @@ def trace_joint(
     refuse_meta_tensors(flat)
     trace_values, dims_of_symbol, shape_env = symbolic_trace_values(flat, symbols)
     fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
-    try:
-        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=bool(symbols))
-    except UnsupportedGraph as e:
-        if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
-            explain_untraceable(flat.fn, flat.primal_values, e)
-        raise
+    joint, num_fwd_outputs, specialized = _capture_real(flat, trace_values, bool(symbols), fake)
     return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
-                       fake=fake, output=output, tangent_values=tangent_values)
+                       fake=fake, output=output, tangent_values=tangent_values, specialized=specialized)
+
+
+def _capture_real(flat: FlatStep, trace_values: Sequence[Any], dynamic: bool, fake: bool
+                  ) -> tuple[fx.GraphModule, int, tuple[str, ...]]:
+    """``capture_joint`` of ``flat``; a step with real values that asks for a tensor's
+    value (``.item()``) is captured again specialized to the batch's values
+    (``data_scalars.capture_specialized``); a step that still cannot be traced is
+    explained (``untraceable``: the op and its Python line).
+
+    Returns:
+        ``(joint, num_fwd_outputs, the specialized scalars)``.
+    """
+    specialized: tuple[str, ...] = ()
+    try:
+        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=dynamic)
+    except UnsupportedGraph as e:
+        if not fake and isinstance(e.__cause__, _DATA_DEPENDENT_ERRORS):
+            try:
+                (joint, num_fwd_outputs), specialized = capture_specialized(
+                    lambda fn: capture_joint(fn, trace_values, dynamic=dynamic),
+                    flat.fn, flat.primal_values, flat.primal_kinds, e)
+            except UnsupportedGraph as again:  # not only .item(): name the first op and its line
+                explain_untraceable(flat.fn, flat.primal_values, again)
+                raise
+        else:
+            if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+                explain_untraceable(flat.fn, flat.primal_values, e)
+            raise
+    return joint, num_fwd_outputs, specialized
 
 
 def refuse_meta_tensors(flat: FlatStep) -> None:
@@ -291,6 +332,7 @@ def joint_graph(
     fake: bool = False,
     output: str = "loss",
     tangent_values: Sequence[torch.Tensor] | None = None,
+    specialized: Sequence[str] = (),
 ) -> JointGraph:
     """The JointGraph of a captured joint graph, after checking it is a training step.
 
@@ -308,6 +350,8 @@ def joint_graph(
         output, tangent_values: see ``trace_joint`` (a pipeline stage's activation
             output and the gradient it receives). Tensor-subclass primals (DTensor) are
             flattened as AOTAutograd flattens them (``flatten_primals``).
+        specialized: the data-dependent scalars the graph was specialized to
+            (``data_scalars.capture_specialized``).
 
     Raises:
         UnsupportedGraph: more than one forward output, primals lost, or no gradient
@@ -316,12 +360,6 @@ def joint_graph(
     tangents = [n.name for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     num_fwd_outputs, updates = move_buffer_updates(joint, num_fwd_outputs, flat.primal_labels,
                                                    flat.primal_kinds, len(tangents))
-    if num_fwd_outputs - len(updates) != 1:
-        raise UnsupportedGraph(
-            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
-            "alone: it returns an alias of an input or several outputs. Return the loss "
-            "(or one activation for a pipeline stage)."
-        )
     values = list(flat.primal_values if primal_values is None else primal_values)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
@@ -358,7 +396,9 @@ def joint_graph(
         fake=fake,
         output=output,
         buffer_updates=updates,
+        specialized=tuple(specialized),
     )
+
 
 
 def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
@@ -396,11 +436,14 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs
     except _DATA_DEPENDENT_ERRORS as e:
+        op = getattr(e, "func", None)
         raise UnsupportedGraph(
-            "the training step depends on tensor values (.item(), a Python branch on a "
+            f"the training step depends on tensor values{f' ({op})' if op is not None else ''}"
+            f" at {error_line(e) or 'an unknown line'} (.item(), a Python branch on a "
             "tensor, boolean-mask indexing or another op whose output shape depends on "
             f"data: {type(e).__name__}: {e}), so it cannot be traced into one static graph. "
-            "Make the step shape-static, or keep that code outside the traced model."
+            "Make the step shape-static, or keep that code outside the traced model "
+            "(a model with real weights is traced specialized to its batch's .item() values)."
         ) from e
     except (RuntimeError, NotImplementedError) as e:
         raise UnsupportedGraph(

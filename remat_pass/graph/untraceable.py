@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from ..errors import UnsupportedGraph
+from .data_scalars import user_line
 
 
 @contextlib.contextmanager
@@ -43,11 +45,12 @@ fix to name (op overload packet -> what to do)."""
 
 class _FakeCheck(TorchDispatchMode):
     """Runs every op eagerly and again on fake copies of its inputs; keeps the first op
-    whose fake run (its meta function, which tracing uses) fails: ``(op, error)``."""
+    whose fake run (its meta function, which tracing uses) fails: ``(op, error, the
+    user's Python line that called it or None)``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.failed: tuple[Any, BaseException] | None = None
+        self.failed: tuple[Any, BaseException, str | None] | None = None
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -59,7 +62,7 @@ class _FakeCheck(TorchDispatchMode):
                 with self.fake:
                     func(*fake_args, **fake_kwargs)
             except Exception as e:  # noqa: BLE001 - any failure of the meta function is the finding
-                self.failed = (func, e)
+                self.failed = (func, e, user_line(traceback.extract_stack()))
         return out
 
 
@@ -73,7 +76,8 @@ def explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequen
     passes (the error is elsewhere) or the eager step fails too.
 
     Raises:
-        UnsupportedGraph: naming the op, its error, and the fix when ``TRACE_FIXES``
+        UnsupportedGraph: naming the op, the Python line that called it (the innermost
+            frame outside torch: ``data_scalars.user_line``), its error, and the fix when ``TRACE_FIXES``
             knows one; chained to the original error.
     """
     grads = [p.grad for p in primal_values]
@@ -88,11 +92,12 @@ def explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequen
             p.grad = g
     if check.failed is None:
         return
-    op, cause = check.failed
+    op, cause, line = check.failed
     packet = str(op.overloadpacket) if hasattr(op, "overloadpacket") else str(op)
     fix = TRACE_FIXES.get(packet, "")
     raise UnsupportedGraph(
-        f"{op} runs eagerly on these inputs but cannot be traced: its meta function, which "
+        f"{op} runs eagerly on these inputs{f' (called at {line})' if line else ''} but cannot be traced: its "
+        "meta function, which "
         f"AOTAutograd runs on fake tensors, fails ({type(cause).__name__}: {cause}). "
         + (f"Fix: {fix}." if fix else
            "Keep that op outside the traced model, or use inputs (dtype, device) its meta function accepts.")

@@ -1,0 +1,91 @@
+"""Data-dependent scalars (``.item()``: ``aten._local_scalar_dense``, issue 23): a step
+with real values is traced specialized to its batch's values and says so; a fake step,
+or an op whose output shape depends on data, is refused naming the op and the Python
+line that called it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import scalar_models
+from remat_pass.cli.main import main
+from remat_pass.errors import UnsupportedGraph
+from remat_pass.evaluate.session import Session
+from remat_pass.graph.fake_trace import trace_joint_fake
+from remat_pass.graph.trace import trace_joint
+from remat_pass.recompute import schedule as schedules
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _line_of(text: str) -> int:
+    """The line of ``scalar_models.py`` that holds ``text``."""
+    lines = open(scalar_models.__file__).read().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if text in line)
+
+
+def test_item_values_specialize_the_graph_and_are_named_with_their_line():
+    model, inputs, loss_fn = scalar_models.branchy(layers=3)
+    j = trace_joint(model, inputs, loss_fn)
+    branch, count = _line_of("y.mean().item()"), _line_of("(x > 0).sum().item()")
+    assert len(j.specialized) == 6
+    assert all(f"scalar_models.py:{line} (in forward)" in s for s, line in zip(j.specialized, [branch, count] * 3))
+    assert all(n.target is not torch.ops.aten._local_scalar_dense.default for n in j.gm.graph.nodes)
+    assert any("holds for this batch" in n for n in j.notes)
+
+
+def test_another_batch_takes_another_path():
+    model, (x,), loss_fn = scalar_models.branchy(layers=1)
+    ops = []
+    for sign in (1, -1):
+        with torch.no_grad():
+            model[0].fc.bias.fill_(10.0 * sign)  # the mean's sign picks relu or tanh
+        j = trace_joint(model, (x,), loss_fn)
+        ops.append({n.target for n in j.gm.graph.nodes if n.op == "call_function"})
+    assert torch.ops.aten.relu.default in ops[0] - ops[1]
+    assert torch.ops.aten.tanh.default in ops[1] - ops[0]
+
+
+def test_recording_leaves_the_rng_state_alone():
+    model, inputs, loss_fn = scalar_models.branchy(layers=2)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    trace_joint(model, inputs, loss_fn)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_specialized_step_sweeps_exactly():
+    model, inputs, loss_fn = scalar_models.branchy(layers=3)
+    session = Session.create(model, inputs, loss_fn)
+    for sch in schedules.distinct_megatron_schedules(3):
+        r = session.evaluate(sch)
+        assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, sch.provenance
+        assert r.max_grad_diff_vs_eager == 0.0
+
+
+def test_fake_trace_refusal_names_the_op_and_the_python_line():
+    model, inputs, loss_fn = scalar_models.branchy(layers=2)
+    line = _line_of("y.mean().item()")
+    with pytest.raises(UnsupportedGraph, match=rf"_local_scalar_dense.*scalar_models\.py:{line} \(in forward\)"):
+        trace_joint_fake(model, inputs, loss_fn)
+
+
+def test_data_dependent_shape_refusal_names_the_op_and_the_python_line():
+    model = torch.nn.Sequential(scalar_models.MaskSelect(), scalar_models.MaskSelect())
+    line = _line_of("y[y > 0]")
+    with pytest.raises(UnsupportedGraph, match=rf"aten\.(index|nonzero).*scalar_models\.py:{line} \(in forward\)"):
+        trace_joint(model, (torch.randn(2, scalar_models.D),), lambda y: y.sum())
+
+
+@pytest.mark.slow
+def test_sweep_says_the_graph_holds_for_this_batch(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--model", "scalar_models:branchy", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["notes"]) == 6 and all("holds for this batch" in n for n in data["notes"])
+    assert capsys.readouterr().err.count("note: the graph holds for this batch") == 6
+    assert all(r["predicted_peak_bytes"] == r["measured_peak_bytes"] for r in data["rows"])
