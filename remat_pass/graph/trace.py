@@ -32,7 +32,7 @@ from .data_scalars import capture_specialized, error_line
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
-from .untraceable import explain_untraceable, quiet_fake_tensor_log
+from .untraceable import explain_untraceable, known_trace_error, quiet_fake_tensor_log
 
 
 class RealLayouts(Mapping[str, RealLayout]):
@@ -446,6 +446,9 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
             "(a model with real weights is traced specialized to its batch's .item() values)."
         ) from e
     except (RuntimeError, NotImplementedError) as e:
+        known = known_trace_error(e)
+        if known is not None:
+            raise UnsupportedGraph(known) from e
         raise UnsupportedGraph(
             f"AOTAutograd could not trace the training step into a joint graph "
             f"({type(e).__name__}: {e}). Run the model's forward and backward eagerly to "

@@ -43,6 +43,26 @@ TRACE_FIXES = {
 fix to name (op overload packet -> what to do)."""
 
 
+FLEX_ATTENTION_FIX = (
+    "torch.nn.attention.flex_attention (called at {line}) cannot be traced into the training step: it "
+    "has no backward on CPU in this PyTorch, and outside torch.compile AOTAutograd's fake tensors cannot "
+    "run its eager implementation (it reads data pointers). Use "
+    "torch.nn.functional.scaled_dot_product_attention instead (the mask as attn_mask, or is_causal=True; "
+    "torchtitan: the sdpa attention variant, use_flex_attn=False)"
+)
+"""The refusal of a step that calls flex attention, with the supported alternative."""
+
+
+def known_trace_error(error: BaseException) -> str | None:
+    """The message for a tracing error whose cause and fix are known (a step that
+    calls ``flex_attention``: its traceback passes through
+    ``torch/nn/attention/flex_attention.py``), naming the user's Python line; else None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if any(f.filename.replace("\\", "/").endswith("nn/attention/flex_attention.py") for f in frames):
+        return FLEX_ATTENTION_FIX.format(line=user_line(frames) or "an unknown line") + f" ({type(error).__name__}: {error})"
+    return None
+
+
 class _FakeCheck(TorchDispatchMode):
     """Runs every op eagerly and again on fake copies of its inputs; keeps the first op
     whose fake run (its meta function, which tracing uses) fails: ``(op, error, the

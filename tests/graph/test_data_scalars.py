@@ -89,3 +89,16 @@ def test_sweep_says_the_graph_holds_for_this_batch(tmp_path, capsys):
     assert len(data["notes"]) == 6 and all("holds for this batch" in n for n in data["notes"])
     assert capsys.readouterr().err.count("note: the graph holds for this batch") == 6
     assert all(r["predicted_peak_bytes"] == r["measured_peak_bytes"] for r in data["rows"])
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_flex_attention_is_refused_naming_the_line_and_the_alternative(fake):
+    """flex_attention has no backward on CPU (torch 2.13) and no fake-tensor eager path:
+    refused naming it, the user's line and scaled_dot_product_attention."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    model = torch.nn.Sequential(scalar_models.FlexAttention(), scalar_models.FlexAttention())
+    line = _line_of("flex_attention(q, k, v)")
+    trace = trace_joint_fake if fake else trace_joint
+    with pytest.raises(UnsupportedGraph, match=rf"flex_attention \(called at .*scalar_models\.py:{line} "
+                                               r"\(in forward\).*scaled_dot_product_attention"):
+        trace(model, (torch.randn(2, 4, scalar_models.D),), lambda y: y.sum())
