@@ -38,6 +38,12 @@ TRACE_FIXES = {
         "bfloat16 here; build the model with config._experts_implementation = 'batched_mm' "
         "(or 'eager'), or trace it in bfloat16"
     ),
+    **dict.fromkeys(("aten.nonzero", "aten.index", "aten.masked_select", "aten.unique_dim", "aten._unique2"), (
+        "its output's shape depends on the data (nonzero, boolean-mask indexing, torch.where with one "
+        "argument, unique), so no static graph holds for every batch; use a shape-static form "
+        "(torch.where(mask, x, 0), a multiplication by the mask); transformers' mixture-of-experts "
+        "layers: config._experts_implementation = 'batched_mm' instead of the eager experts loop"
+    )),
 }
 """Ops that run eagerly but whose meta (shape) function refuses the inputs, with the
 fix to name (op overload packet -> what to do)."""
@@ -68,15 +74,16 @@ class _FakeCheck(TorchDispatchMode):
     whose fake run (its meta function, which tracing uses) fails: ``(op, error, the
     user's Python line that called it or None)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: frozenset = frozenset()) -> None:
         super().__init__()
+        self.skip = skip
         self.failed: tuple[Any, BaseException, str | None] | None = None
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.failed is None:
+        if self.failed is None and func not in self.skip:
             try:
                 fake_args, fake_kwargs = tree_map_only(torch.Tensor, self.fake.from_tensor, (args, kwargs))
                 with self.fake:
@@ -87,13 +94,14 @@ class _FakeCheck(TorchDispatchMode):
 
 
 def explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequence[torch.Tensor],
-                         error: UnsupportedGraph) -> None:
+                         error: UnsupportedGraph, skip: frozenset = frozenset()) -> None:
     """Find the op that made tracing fail and raise an UnsupportedGraph naming it.
 
     The step is run eagerly once (forward and backward, parameter ``.grad`` restored)
     with every op also run on fake tensors; the first op that runs eagerly but not on
     fake tensors is the one tracing cannot pass. Returns without raising when every op
-    passes (the error is elsewhere) or the eager step fails too.
+    passes (the error is elsewhere) or the eager step fails too. Ops in ``skip`` are
+    not findings (``aten._local_scalar_dense`` once the trace replays its values).
 
     Raises:
         UnsupportedGraph: naming the op, the Python line that called it (the innermost
@@ -101,7 +109,7 @@ def explain_untraceable(step: Callable[..., torch.Tensor], primal_values: Sequen
             knows one; chained to the original error.
     """
     grads = [p.grad for p in primal_values]
-    check = _FakeCheck()
+    check = _FakeCheck(skip)
     try:
         with check, quiet_fake_tensor_log():
             step(*primal_values).backward()
