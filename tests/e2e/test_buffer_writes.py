@@ -29,3 +29,31 @@ def test_sweep_report_check_of_a_batchnorm_train_step(tmp_path, capsys):
     assert peak == rows[0]["measured_peak_bytes"]
     assert main(["check", "--model", MODEL, "--budget", str(peak)]) == 0
     assert main(["check", "--model", MODEL, "--budget", str(peak - 1)]) == 1
+
+
+@pytest.mark.slow
+def test_resnet18_layout_in_train_mode_sweeps_exactly():
+    """torchvision's ResNet-18 layout (four stages of two BasicBlocks, downsampling
+    shortcuts, 20 BatchNorm2d in train mode; the issue's 'ResNet in training mode is
+    refused'), its four stages as stacks: every schedule predicted == measured, gradients
+    bitwise equal, the running statistics after the step equal eager's."""
+    import copy
+
+    import torch
+
+    from conv_models import resnet18_like_train
+    from remat_pass.evaluate.session import Session
+    from remat_pass.measure.run import measure_step
+    from remat_pass.recompute import schedule as schedules
+
+    model, inputs, loss_fn = resnet18_like_train()
+    eager = copy.deepcopy(model)
+    loss_fn(eager(*inputs)).backward()
+    session = Session.create(model, inputs, loss_fn)
+    assert [s.path for s in session.stack.stacks] == ["layer1", "layer2", "layer3", "layer4"]
+    for sch in schedules.distinct_megatron_schedules(session.stack.layers_per_stack):
+        r = session.evaluate(sch)
+        assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, sch.provenance
+    m = measure_step(session.prepare(sch)[0], session.joint)
+    assert len(m.buffers) == 3 * sum(isinstance(x, torch.nn.BatchNorm2d) for x in model.modules())
+    assert all(torch.equal(m.buffers[n], b) for n, b in eager.named_buffers())
