@@ -82,8 +82,9 @@ class _Record(TorchDispatchMode):
 
 def record_scalars(step: Callable[..., torch.Tensor], primal_values: Sequence[torch.Tensor],
                    primal_kinds: Sequence[str]) -> list[Scalar]:
-    """Run ``step`` eagerly once (forward and loss, under ``no_grad``) and record every
-    ``aten._local_scalar_dense`` value in call order, with its Python line. Buffers and
+    """Run ``step`` eagerly once (forward and loss, with autograd on as when traced) and
+    record every ``aten._local_scalar_dense`` value in call order, with its Python line
+    (replayed only at the same line: ``replaying``). Buffers and
     inputs are passed as clones (a BatchNorm in train mode leaves them as they were);
     the CPU and CUDA RNG states are restored (``torch.random.fork_rng``).
 
@@ -95,7 +96,7 @@ def record_scalars(step: Callable[..., torch.Tensor], primal_values: Sequence[to
     record = _Record()
     devices = sorted({v.device.index or 0 for v in primal_values if isinstance(v, torch.Tensor) and v.is_cuda})
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), record:
+        with torch.random.fork_rng(devices=devices), record:
             step(*args)
     except Exception as e:  # noqa: BLE001 - the step itself fails: say so
         raise UnsupportedGraph(f"the training step fails when run eagerly ({type(e).__name__}: {e})") from e
@@ -110,8 +111,13 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func is not LOCAL_SCALAR:
             return func(*args, **(kwargs or {}))
+        where = user_line(traceback.extract_stack()) or "an unknown line"
+        if self.next < len(self.scalars) and self.scalars[self.next].where != where:
+            raise UnsupportedGraph(
+                f"aten._local_scalar_dense (.item()) at {where} is asked for while tracing where the eager run "
+                f"asked for it at {self.scalars[self.next].where}: the step's data-dependent values cannot be "
+                "replayed in order. Compute that value outside the traced model and pass it in as a Python number.")
         if self.next >= len(self.scalars):
-            where = user_line(traceback.extract_stack()) or "an unknown line"
             raise UnsupportedGraph(
                 f"aten._local_scalar_dense (.item()) at {where} is called more often while tracing than when "
                 f"the step ran eagerly ({len(self.scalars)} times): the step's data-dependent values cannot be "
@@ -123,7 +129,13 @@ class _Replay(TorchDispatchMode):
 def replaying(step: Callable[..., torch.Tensor], scalars: Sequence[Scalar]) -> Callable[..., torch.Tensor]:
     """``step`` with each ``aten._local_scalar_dense`` call answered, in order, by the
     recorded ``scalars`` (each call of the returned function starts from the first), so
-    that tracing it specializes the graph to the example batch's values."""
+    that tracing it specializes the graph to the example batch's values.
+
+    Raises (when the returned function runs):
+        UnsupportedGraph: a call comes from another Python line than the recorded one at
+            its position, or there are more calls than recorded (the trace takes another
+            path than the eager run).
+    """
 
     def replayed(*args: Any) -> torch.Tensor:
         with _Replay(scalars):

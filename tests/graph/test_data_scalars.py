@@ -103,3 +103,25 @@ def test_flex_attention_is_refused_naming_the_line_and_the_alternative(fake):
     with pytest.raises(UnsupportedGraph, match=rf"flex_attention \(called at .*scalar_models\.py:{line} "
                                                r"\(in forward\).*scaled_dot_product_attention"):
         trace(model, (torch.randn(2, 4, scalar_models.D),), lambda y: y.sum())
+
+
+class _EagerOnlyItem(torch.nn.Module):
+    """Asks for one more .item() eagerly than while tracing (a TracingContext is active)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(scalar_models.D, scalar_models.D)
+
+    def forward(self, x):
+        from torch._guards import TracingContext
+
+        if TracingContext.try_get() is None:
+            x = x * float(x.sum().item() > 0)  # eager only
+        return self.fc(x) * x.mean().item()
+
+
+def test_a_scalar_asked_for_at_another_line_than_recorded_is_refused_naming_both():
+    model = torch.nn.Sequential(_EagerOnlyItem(), _EagerOnlyItem())
+    with pytest.raises(UnsupportedGraph, match=r"test_data_scalars\.py:\d+ \(in forward\).*x\.mean\(\)\.item\(\).*"
+                                               r"eager run asked for it at .*test_data_scalars\.py:\d+ \(in forward\)"):
+        trace_joint(model, (torch.randn(2, scalar_models.D),), lambda y: y.sum())
