@@ -250,8 +250,9 @@ def trace_joint(
             train mode, is traced: ``JointGraph.buffer_updates``).
         UnsupportedGraph: no gradient reaches any parameter or input (the joint graph
             would be the forward alone).
-        UnsupportedGraph: a parameter, buffer or input is on the meta device: trace it
-            with ``fake_trace.trace_joint_fake`` (``sweep.Session.create`` does).
+        UnsupportedGraph: a primal is on the meta device (trace with ``trace_joint_fake``).
+        UnsupportedGraph: a data-dependent op that cannot be specialized (``.item()`` values
+            are: ``JointGraph.specialized``), named with its Python line; flex attention.
         RematError: no scalar loss.
         ValueError: a ``symbols`` entry names no tensor input or dimension.
         UnsupportedGraph: the step specializes a symbol to one value (code that
