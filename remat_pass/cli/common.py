@@ -265,7 +265,8 @@ def report_meta(args: argparse.Namespace, w: Workload) -> dict:
     meta = {"model": model_name(args), "batch": args.batch, "seq": args.seq, "layers": args.layers,
             "layer_stack": w.stack_path, "num_layers": w.num_layers, **stacks_meta(w),
             "target": args.target if args.target != "cpu" else None, "predicted_only": w.predicted_only or None,
-            "static_bytes": w.static.total_bytes if (args.optimizer != "none" or args.target != "cpu") else None}
+            "static_bytes": w.static.total_bytes if (args.optimizer != "none" or args.target != "cpu") else None,
+            "notes": list(w.session.joint.notes) if w.session is not None and w.session.joint.notes else None}
     return {k: v for k, v in meta.items() if v is not None}
 
 

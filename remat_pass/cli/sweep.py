@@ -181,6 +181,7 @@ def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[Sched
         "static_bytes": w.static.total_bytes,
         "static": w.static.to_dict(),
         "device_memory_bytes": w.device_memory_bytes,
+        **({"notes": list(w.session.joint.notes)} if w.session is not None and w.session.joint.notes else {}),
         **({"partial": True} if partial else {}),
         "rows": rows,
     })

@@ -253,6 +253,8 @@ def load_workload(o: WorkloadOptions, log: Callable[[str], None] | None = None) 
               f"{len(stack.stacks)} layer stacks, L={stack.num_layers} in all: {stack.describe()}")
     log(f"traced {type(step.model).__name__}: {len(step.joint.gm.graph.nodes)} joint nodes, {stacks} "
         f"({time.perf_counter() - t0:.1f}s)")
+    for note in step.joint.notes:
+        log(f"note: {note}")
     tensors = static_tensors(step.joint.primal_values, step.joint.primal_kinds)
     step_static = session.report(schedules.none(stack.layers_per_stack), allocator).static_bytes
     static = static_memory(tensors, static_options, _other_static(step_static, tensors, static_options))

@@ -1,4 +1,5 @@
 """Module paths recorded on fx nodes (``nn_module_stack``, ``fwd_nn_module_stack``):
+the modules that may hold a layer stack (``is_container``),
 Dynamo's sources as ``named_modules`` paths, and the containers a graph's recorded paths
 show when the module is not at hand (a graph Dynamo captured, in the torch.compile
 backend; ``regions.find_layer_stacks_in_graph`` finds its layer stacks among them).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+import torch
 import torch.fx as fx
 
 
@@ -66,3 +68,12 @@ def recorded_children(gm: fx.GraphModule) -> dict[str, dict[str, str]]:
                     parent, child = path.rsplit(".", 1) if "." in path else ("", path)
                     children.setdefault(parent, {}).setdefault(child, str(kind))
     return children
+
+
+def is_container(module: torch.nn.Module) -> bool:
+    """Whether ``module`` may hold a layer stack: an ``nn.ModuleList``, an
+    ``nn.Sequential``, or any module (an ``nn.ModuleDict``) whose children are all keyed
+    by an integer, their layer index (``{"0": block, "1": block}``)."""
+    kids = module._modules
+    return isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or (
+        bool(kids) and all(k.isdigit() for k in kids))

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..errors import LayerStackNotFound
 from .forward_nodes import forward_node_names, layers_of_unrecorded
-from .module_paths import recorded_children, recorded_paths
+from .module_paths import is_container, recorded_children, recorded_paths
 from .trace import JointGraph
 
 
@@ -155,8 +155,9 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
                       ) -> list[tuple[str, list[str]]]:
     """Every layer stack of ``model``: module paths and child names.
 
-    The containers are the model's ``nn.ModuleList`` / ``nn.Sequential`` modules; the
-    stacks among them follow the one rule of ``stacks_among`` (also that of a Dynamo
+    The containers are the model's ``nn.ModuleList`` / ``nn.Sequential`` modules and
+    every module whose children are keyed by layer index (``"0"`` .. ``"L-1"``:
+    torchtitan's ``layers`` ``nn.ModuleDict``; ``is_container``); the stacks among them follow the one rule of ``stacks_among`` (also that of a Dynamo
     graph, ``find_layer_stacks_in_graph``).
 
     Args:
@@ -170,16 +171,12 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
         decides.
 
     Raises:
-        LayerStackNotFound: a named path is no ModuleList/Sequential of the model, has
+        LayerStackNotFound: a named path is no container (``is_container``) of the model, has
             no children, is named twice or lies inside a layer of another named stack;
             (search) no container with two or more same-class children exists; or one
             module instance sits at two positions of a stack.
     """
-    containers = {
-        name: mod
-        for name, mod in model.named_modules()
-        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential))
-    }
+    containers = {name: mod for name, mod in model.named_modules() if is_container(mod)}
     if layers is not None:
         return _named_stacks(model, containers, [layers] if isinstance(layers, str) else list(layers))
     for name, mod in containers.items():
@@ -187,8 +184,8 @@ def find_layer_stacks(model: torch.nn.Module, layers: str | Sequence[str] | None
     found = stacks_among({name: {n: type(c) for n, c in mod.named_children()} for name, mod in containers.items()})
     if not found:
         raise LayerStackNotFound(
-            f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList or "
-            "nn.Sequential of two or more children of one class, and found "
+            f"{type(model).__name__} has no layer stack: looked for an nn.ModuleList, "
+            "nn.Sequential or layer-index-keyed nn.ModuleDict of two or more children of one class, and found "
             f"{'only ' + ', '.join(repr(c) for c in containers) if containers else 'none'}. "
             "Put the repeated blocks in an nn.ModuleList, or name the stack with "
             "layers='path.to.stack' (--stack on the command line)."
@@ -315,8 +312,9 @@ def _named_stacks(model: torch.nn.Module, containers: Mapping[str, torch.nn.Modu
             exists = isinstance(path, str) and path in dict(model.named_modules())
             named = sorted(repr(c) if c else "'' (the model itself)" for c in containers)
             raise LayerStackNotFound(
-                f"layers={path!r} " + ("is not an nn.ModuleList or nn.Sequential" if exists else "names no module")
-                + f" of {type(model).__name__}; its ModuleLists / Sequentials: {', '.join(named) or 'none'}"
+                f"layers={path!r} " + ("is not an nn.ModuleList, nn.Sequential or module keyed by layer index"
+                                       if exists else "names no module")
+                + f" of {type(model).__name__}; its containers of layers: {', '.join(named) or 'none'}"
             )
         if path in out:
             raise LayerStackNotFound(f"layers= names the stack {path!r} twice")

@@ -2,11 +2,9 @@
 
 The step is traced with AOTAutograd (`torch._functorch.aot_autograd.aot_function`) as a
 function of the model's parameters, buffers and input tensors, so there are no graph
-breaks: the joint graph holds every aten op of the forward and of the backward. Every
-node carries FakeTensor metadata in ``node.meta["val"]`` and the path of the module it
-came from in ``node.meta["nn_module_stack"]`` (forward) or
-``node.meta["fwd_nn_module_stack"]`` (backward, copied by AOTAutograd from the forward
-node with the same ``seq_nr``).
+breaks: the joint graph holds every aten op of forward and backward. Every node carries
+FakeTensor metadata (``meta["val"]``) and its module path (``meta["nn_module_stack"]``;
+backward: ``meta["fwd_nn_module_stack"]``, copied from the forward node of its ``seq_nr``).
 
 The step is flattened first (``flat_step``: module paths recorded while it runs), a
 symbolic trace gets its fake primals from ``shape_symbols``, and a step that runs
@@ -27,11 +25,13 @@ from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import RematError, UnsupportedGraph
+from .buffer_updates import move_buffer_updates
+from .data_scalars import LOCAL_SCALAR, capture_specialized, error_line
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
 from .trace_context import constant_values_mode, functional_collectives
-from .untraceable import explain_untraceable, quiet_fake_tensor_log
+from .untraceable import explain_untraceable, known_trace_error, quiet_fake_tensor_log
 
 
 class RealLayouts(Mapping[str, RealLayout]):
@@ -83,8 +83,10 @@ class JointGraph:
             not require grad, and for opaque primals).
         primals: names of the primal placeholders, in order.
         tangents: names of the tangent placeholders, in order.
-        num_fwd_outputs: number of forward outputs (1: the scalar loss, or the output
-            activation of a pipeline stage traced with ``output="activation"``).
+        num_fwd_outputs: number of forward outputs: the scalar loss (or the output
+            activation of a pipeline stage traced with ``output="activation"``), then
+            the new value of each buffer or input the step writes in place
+            (``buffer_updates``; 1 when it writes none).
         primal_values: the real values fed to the primals: parameters, then buffers,
             then the tensors of the example inputs. A tensor subclass (a DTensor
             parameter under tensor parallelism) is flattened as AOTAutograd flattens it
@@ -102,6 +104,15 @@ class JointGraph:
         model: the traced module (its parameters are the "param" primals); None for a
             graph that Dynamo captured (the torch.compile backend sees no module, and
             ``primal_values`` / ``tangent_values`` are then its fake example values).
+        buffer_updates: for each forward output after the loss, the index of the
+            primal (a buffer or input) whose new value it is: the step writes it in
+            place (BatchNorm's running statistics in train mode), traced functionally
+            (``buffer_updates.move_buffer_updates``); every node reads the value from
+            before the step, and running the step leaves the primal as it was
+            (``measure.run`` reports the new values). Empty: no write.
+        specialized: the data-dependent scalars (``.item()``) the graph holds as
+            constants, each ``"... = value at file:line"``: the graph, and every figure
+            of it, holds for this batch (and any batch giving the same values).
         symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
             name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
             used for the input dimensions given that name (``(s0, s2)``); empty for a
@@ -130,6 +141,25 @@ class JointGraph:
     shape_env: Any = None
     fake: bool = False
     output: str = "loss"
+    buffer_updates: tuple[int, ...] = ()
+    specialized: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What every output about this step must say besides its figures: the batch
+        values the graph is specialized to (``specialized``), the buffers it writes."""
+        out = tuple(f"the graph holds for this batch only: traced specialized to {s}" for s in self.specialized)
+        if self.buffer_updates:
+            written = [self.primal_labels[i] for i in self.buffer_updates]
+            out += (f"the step writes {len(written)} buffers / inputs in place ({', '.join(written[:3])}"
+                    f"{', ...' if len(written) > 3 else ''}): their new values are forward outputs, counted "
+                    "until the step ends",)
+        return out
+
+    @property
+    def num_user_outputs(self) -> int:
+        """Forward outputs before the buffers' new values (1: the loss or activation)."""
+        return self.num_fwd_outputs - len(self.buffer_updates)
 
     @property
     def num_params(self) -> int:
@@ -213,12 +243,15 @@ def trace_joint(
         ``fake=True`` (predicted, never run).
 
     Raises:
-        UnsupportedGraph: the step mutates an input or buffer in place (e.g. BatchNorm
-            running statistics) or returns aliases of its inputs.
+        UnsupportedGraph: the step returns aliases of its inputs, or writes a
+            parameter, a value that requires grad or a tensor's metadata in place (a
+            write of a buffer's or input's values, BatchNorm's running statistics in
+            train mode, is traced: ``JointGraph.buffer_updates``).
         UnsupportedGraph: no gradient reaches any parameter or input (the joint graph
             would be the forward alone).
-        UnsupportedGraph: a parameter, buffer or input is on the meta device: trace it
-            with ``fake_trace.trace_joint_fake`` (``sweep.Session.create`` does).
+        UnsupportedGraph: a primal is on the meta device (trace with ``trace_joint_fake``).
+        UnsupportedGraph: a data-dependent op that cannot be specialized (``.item()`` values
+            are: ``JointGraph.specialized``), named with its Python line; flex attention.
         RematError: no scalar loss.
         ValueError: a ``symbols`` entry names no tensor input or dimension.
         UnsupportedGraph: the step specializes a symbol to one value (code that
@@ -234,14 +267,38 @@ def trace_joint(
     refuse_meta_tensors(flat)
     trace_values, dims_of_symbol, shape_env = symbolic_trace_values(flat, symbols)
     fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
-    try:
-        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=bool(symbols))
-    except UnsupportedGraph as e:
-        if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
-            explain_untraceable(flat.fn, flat.primal_values, e)
-        raise
+    joint, num_fwd_outputs, specialized = _capture_real(flat, trace_values, bool(symbols), fake)
     return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
-                       fake=fake, output=output, tangent_values=tangent_values)
+                       fake=fake, output=output, tangent_values=tangent_values, specialized=specialized)
+
+
+def _capture_real(flat: FlatStep, trace_values: Sequence[Any], dynamic: bool, fake: bool
+                  ) -> tuple[fx.GraphModule, int, tuple[str, ...]]:
+    """``capture_joint`` of ``flat``; a step with real values that asks for a tensor's
+    value (``.item()``) is captured again specialized to the batch's values
+    (``data_scalars.capture_specialized``); a step that still cannot be traced is
+    explained (``untraceable``: the op and its Python line).
+
+    Returns:
+        ``(joint, num_fwd_outputs, the specialized scalars)``.
+    """
+    specialized: tuple[str, ...] = ()
+    try:
+        joint, num_fwd_outputs = capture_joint(flat.fn, trace_values, dynamic=dynamic)
+    except UnsupportedGraph as e:
+        if not fake and isinstance(e.__cause__, _DATA_DEPENDENT_ERRORS):
+            try:
+                (joint, num_fwd_outputs), specialized = capture_specialized(
+                    lambda fn: capture_joint(fn, trace_values, dynamic=dynamic),
+                    flat.fn, flat.primal_values, flat.primal_kinds, e)
+            except UnsupportedGraph as again:  # not only .item(): name the first op and its line
+                explain_untraceable(flat.fn, flat.primal_values, again, frozenset({LOCAL_SCALAR}))
+                raise
+        else:
+            if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+                explain_untraceable(flat.fn, flat.primal_values, e)
+            raise
+    return joint, num_fwd_outputs, specialized
 
 
 def refuse_meta_tensors(flat: FlatStep) -> None:
@@ -275,6 +332,7 @@ def joint_graph(
     fake: bool = False,
     output: str = "loss",
     tangent_values: Sequence[torch.Tensor] | None = None,
+    specialized: Sequence[str] = (),
 ) -> JointGraph:
     """The JointGraph of a captured joint graph, after checking it is a training step.
 
@@ -292,22 +350,19 @@ def joint_graph(
         output, tangent_values: see ``trace_joint`` (a pipeline stage's activation
             output and the gradient it receives). Tensor-subclass primals (DTensor) are
             flattened as AOTAutograd flattens them (``flatten_primals``).
+        specialized: the data-dependent scalars the graph was specialized to
+            (``data_scalars.capture_specialized``).
 
     Raises:
         UnsupportedGraph: more than one forward output, primals lost, or no gradient
             at all (see ``trace_joint``); a named size specialized.
     """
-    if num_fwd_outputs != 1:
-        raise UnsupportedGraph(
-            f"the traced step has {num_fwd_outputs} forward outputs instead of the loss "
-            "alone: it mutates an input or buffer in place (e.g. BatchNorm running "
-            "statistics in train mode) or returns an alias of an input. Put such layers "
-            "in eval mode or remove the mutation."
-        )
+    tangents = [n.name for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    num_fwd_outputs, updates = move_buffer_updates(joint, num_fwd_outputs, flat.primal_labels,
+                                                   flat.primal_kinds, len(tangents))
     values = list(flat.primal_values if primal_values is None else primal_values)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     primals = [n.name for n in placeholders if n.name.startswith("primals")]
-    tangents = [n.name for n in placeholders if n.name.startswith("tangents")]
     symbols = named_symbols(dims_of_symbol, trace_values, shape_env, flat.primal_labels)
     values, kinds, labels = flatten_primals(values, flat.primal_kinds, flat.primal_labels)
     if len(primals) != len(values):
@@ -340,7 +395,10 @@ def joint_graph(
         shape_env=shape_env,
         fake=fake,
         output=output,
+        buffer_updates=updates,
+        specialized=tuple(specialized),
     )
+
 
 
 def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
@@ -352,12 +410,10 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         step: the flat step (``FlatStep.fn``).
         trace_values: real tensors, or FakeTensors of one mode.
         dynamic: a symbolic trace (its fakes bring their own mode and ShapeEnv).
-        fake_mode: the mode of fake ``trace_values`` for a concrete trace (default: a
-            new mode, in which AOTAutograd fakes real tensors and the values of the
-            graph's small constants are known: ``trace_context.constant_values_mode``).
+        fake_mode: the mode of fake ``trace_values`` for a concrete trace (default:
+            ``trace_context.constant_values_mode``, small constants' values known).
 
-    ``torch.distributed`` collectives are traced as functional collectives
-    (``trace_context.functional_collectives``).
+    Collectives are traced as functional ones (``trace_context.functional_collectives``).
 
     Raises:
         UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
@@ -371,8 +427,7 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
 
     compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
                             partition_fn=capture, dynamic=dynamic)
-    # Tensors the model or loss_fn close over (targets, masks) become graph constants.
-    fake_mode = fake_mode or constant_values_mode()
+    fake_mode = fake_mode or constant_values_mode()  # closed-over tensors become graph constants
     try:
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
@@ -382,13 +437,19 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs
     except _DATA_DEPENDENT_ERRORS as e:
+        op = getattr(e, "func", None)
         raise UnsupportedGraph(
-            "the training step depends on tensor values (.item(), a Python branch on a "
+            f"the training step depends on tensor values{f' ({op})' if op is not None else ''}"
+            f" at {error_line(e) or 'an unknown line'} (.item(), a Python branch on a "
             "tensor, boolean-mask indexing or another op whose output shape depends on "
             f"data: {type(e).__name__}: {e}), so it cannot be traced into one static graph. "
-            "Make the step shape-static, or keep that code outside the traced model."
+            "Make the step shape-static, or keep that code outside the traced model "
+            "(a model with real weights is traced specialized to its batch's .item() values)."
         ) from e
     except (RuntimeError, NotImplementedError) as e:
+        known = known_trace_error(e)
+        if known is not None:
+            raise UnsupportedGraph(known) from e
         raise UnsupportedGraph(
             f"AOTAutograd could not trace the training step into a joint graph "
             f"({type(e).__name__}: {e}). Run the model's forward and backward eagerly to "

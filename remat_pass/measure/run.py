@@ -20,19 +20,17 @@ Measurement (DESIGN.md, Measurement):
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
-import gc
 import operator
-import os
-import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedGraph
 from .collective_release import released_by_collective_thread
+from ..graph.buffer_updates import updated_buffers
+from .quiet import collector_paused as _collector_paused, quiet_stderr as _quiet_stderr
 from ..graph.flat_step import _split_inputs, extract_loss
 from ..graph.op_signature import RealLayout, op_call, value_argument
 from ..recompute.rewrite import RewrittenStep
@@ -184,8 +182,12 @@ def _cannot_run(node: fx.Node, error: RuntimeError, first_mismatch: str | None) 
 def run_step(step: RewrittenStep, joint: JointGraph) -> tuple[list[Any], list[Any]]:
     """One forward + backward of ``step`` on ``joint``'s primals and tangents.
 
+    The step is functional: a buffer it writes in place (``JointGraph.buffer_updates``)
+    is left as it was, its new value is a forward output (``buffer_updates.updated_buffers``).
+
     Returns:
-        ``(fwd_outputs, grads)``: the loss (list of one) and one gradient per primal.
+        ``(fwd_outputs, grads)``: the loss (then the buffers' new values) and one
+        gradient per primal.
     """
     fw_out = run_graph(step.forward, list(joint.primal_values))
     k = step.num_fwd_outputs
@@ -241,11 +243,13 @@ def eager_grads(
     Parameters are the model's ``named_parameters()`` in order (None for a frozen one).
     ``loss.backward()`` is used rather than ``torch.autograd.grad`` so that models using
     reentrant ``torch.utils.checkpoint`` work; the parameters' own ``.grad`` fields are
-    restored afterwards.
+    restored afterwards, and so are the buffers the step writes in place (BatchNorm's
+    running statistics in train mode), so the model is left as it was.
     """
     args, kwargs = _split_inputs(example_inputs)
     params = list(model.parameters())
     stash = [p.grad for p in params]
+    buffers = [(b, b.clone()) for b in model.buffers() if not (b.is_meta or b.is_inference())]
     for p in params:
         p.grad = None
     try:
@@ -256,6 +260,10 @@ def eager_grads(
     finally:
         for p, g in zip(params, stash):
             p.grad = g
+        with torch.no_grad():
+            for b, old in buffers:
+                if not torch.equal(b, old):
+                    b.copy_(old)
     return loss.detach(), grads
 
 
@@ -283,37 +291,6 @@ def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
             return float("inf")
         worst = max(worst, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
     return worst
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null while active (C++ log lines included)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(devnull)
-        os.close(saved)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Keep the cycle collector off while active: it must not free tensors allocated
-    before the measured window inside it (their frees would lower the running sum below
-    what the step itself allocates). Cyclic garbage from before stays uncollected until
-    the window ends, so no full collection is needed first (it costs ~0.4 s with torch,
-    sympy and transformers loaded)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def profile_memory_events(fn: Callable[[], Any]) -> list[Any]:
@@ -367,6 +344,9 @@ class Measurement:
         timeline_bytes: running allocated bytes after every allocator event (CPU).
         loss: the step's loss.
         grads: one gradient per primal (None where none).
+        buffers: the value after the step of every buffer or input the step writes in
+            place (``JointGraph.buffer_updates``: BatchNorm's running statistics), by
+            primal label; the primals themselves are left as they were. Empty: none.
     """
 
     peak_bytes: int
@@ -374,6 +354,7 @@ class Measurement:
     timeline_bytes: tuple[int, ...]
     loss: torch.Tensor
     grads: list[Any]
+    buffers: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measurement:
@@ -393,6 +374,7 @@ def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measu
         torch.manual_seed(seed)
         outs, grads = run_step(step, joint)
         result["loss"], result["grads"] = outs[0], grads
+        result["buffers"] = updated_buffers(outs, joint.num_user_outputs, joint.buffer_updates, joint.primal_labels)
 
     once()
     result.clear()
@@ -406,7 +388,7 @@ def measure_step(step: RewrittenStep, joint: JointGraph, seed: int = 0) -> Measu
             peak, timeline = torch.cuda.max_memory_allocated() - base, []
     else:
         peak, timeline = profiled_peak_cpu(once)
-    return Measurement(peak, device, tuple(timeline), result["loss"], result["grads"])
+    return Measurement(peak, device, tuple(timeline), result["loss"], result["grads"], result["buffers"])
 
 
 class _MarkedGraph:

@@ -87,9 +87,9 @@ def test_no_scalar_loss():
         Session.create(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), (torch.randn(2, 4),))
 
 
-def test_buffer_mutation_refused():
-    from remat_pass.errors import UnsupportedGraph
-
+def test_buffer_mutation_traced():
+    """BatchNorm in train mode writes its running statistics in place (issue 23: was
+    refused): traced functionally, each buffer's new value a forward output."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2)])
-    with pytest.raises(UnsupportedGraph, match="mutates"):
-        Session.create(model.train(), (torch.randn(3, 4),), lambda y: y.sum())
+    s = Session.create(model.train(), (torch.randn(3, 4),), lambda y: y.sum())
+    assert sorted(s.joint.primal_labels[i] for i in s.joint.buffer_updates) == sorted(n for n, _ in model.named_buffers())

@@ -71,12 +71,14 @@ class ItemInForward(nn.Module):
         return x
 
 
-def test_a_data_dependent_scalar_is_refused_naming_the_op():
+def test_a_data_dependent_scalar_is_traced_specialized_naming_the_op():
+    """(issue 23: was refused) traced with each .item() a constant of the batch."""
     model = ItemInForward()
     x = torch.randn(4, 8)
     model(x).sum().backward()  # eager runs it
-    with pytest.raises(UnsupportedGraph, match=r"aten\._local_scalar_dense\.default"):
-        trace_joint(model, (x,), lambda y: y.sum())
+    j = trace_joint(model, (x,), lambda y: y.sum())
+    assert len(j.specialized) == 2 and all("aten._local_scalar_dense" in s and "test_trace.py:" in s
+                                            for s in j.specialized)
 
 
 def test_a_loss_that_is_not_a_scalar_is_refused():

@@ -64,19 +64,19 @@ ENTRIES: tuple[ZooEntry, ...] = (
         "hf_gpt2_gradient_checkpointing_non_reentrant",
         hf_gpt2_checkpointed(reentrant=False),
         "HF GPT-2 with gradient_checkpointing_enable (non-reentrant); its packed-sequence "
-        "check branches on tensor values when not compiling: refused, naming the "
-        "data-dependent op.",
+        "check branches on tensor values when not compiling: traced specialized to the "
+        "batch's value (JointGraph.specialized), the user's checkpoints inlined.",
         num_layers=2,
-        refusal=refused(UnsupportedGraph, r"aten\._local_scalar_dense\.default .* cannot be traced"),
         requires=("transformers",),
     ),
     ZooEntry(
         "hf_gpt2_gradient_checkpointing_reentrant",
         hf_gpt2_checkpointed(reentrant=True),
-        "HF GPT-2 with gradient_checkpointing_enable (reentrant): refused, naming the "
-        "data-dependent op (the same packed-sequence check).",
+        "HF GPT-2 with gradient_checkpointing_enable (reentrant): its packed-sequence check "
+        "specialized to the batch, then refused naming PyTorch's own reason (reentrant "
+        "checkpoint cannot run under .grad()).",
         num_layers=2,
-        refusal=refused(UnsupportedGraph, r"aten\._local_scalar_dense\.default .* cannot be traced"),
+        refusal=refused(UnsupportedGraph, "use_reentrant=True, torch.utils.checkpoint is incompatible"),
         requires=("transformers",),
     ),
 )

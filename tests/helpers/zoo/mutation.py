@@ -227,10 +227,11 @@ ENTRIES: tuple[ZooEntry, ...] = (
         num_layers=2,
     ),
     ZooEntry(
-        "spectral_norm_power_iteration_is_refused",
+        "spectral_norm_power_iteration",
         seeded(parametrized_stack(2, parametrizations.spectral_norm, "fc1")),
-        "spectral_norm updates its u/v buffers in train mode: refused as UnsupportedGraph.",
-        refusal=refused(UnsupportedGraph),
+        "spectral_norm updates its u/v buffers in train mode: buffer writes traced "
+        "functionally (their new values are forward outputs).",
+        num_layers=2,
     ),
     # 5. buffers
     ZooEntry(
@@ -240,17 +241,17 @@ ENTRIES: tuple[ZooEntry, ...] = (
         num_layers=3,
     ),
     ZooEntry(
-        "batchnorm_train_mode_is_refused",
+        "batchnorm_train_mode",
         stack_of(BNBlock, 2, loss_fn=sq),
-        "BatchNorm in train mode updates running stats: refused as UnsupportedGraph "
-        "naming BatchNorm or the mutation.",
-        refusal=refused(UnsupportedGraph, "BatchNorm|mutat"),
+        "BatchNorm in train mode updates running stats and num_batches_tracked: buffer "
+        "writes traced functionally (their new values are forward outputs).",
+        num_layers=2,
     ),
     ZooEntry(
-        "buffer_written_in_place_is_refused",
+        "buffer_written_in_place",
         stack_of(Counter, 2, loss_fn=sq),
-        "a layer accumulating into its own buffer in place: refused as UnsupportedGraph.",
-        refusal=refused(UnsupportedGraph),
+        "a layer accumulating into its own buffer in place: traced functionally.",
+        num_layers=2,
     ),
     ZooEntry(
         "batchnorm_eval_mode",

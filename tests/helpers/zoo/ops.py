@@ -199,16 +199,16 @@ ENTRIES: tuple[ZooEntry, ...] = (
         num_layers=3,
     ),
     ZooEntry(
-        "data_dependent_item_is_refused",
+        "data_dependent_item_specialized",
         stack_of(Item, 2),
-        ".item() on an activation: refused as UnsupportedGraph.",
-        refusal=refused(UnsupportedGraph),
+        ".item() on an activation: traced specialized to the batch's value (JointGraph.specialized).",
+        num_layers=2,
     ),
     ZooEntry(
-        "data_dependent_branch_is_refused",
+        "data_dependent_branch_specialized",
         stack_of(Branch, 2),
-        "Python control flow on a tensor's value: refused as UnsupportedGraph.",
-        refusal=refused(UnsupportedGraph),
+        "Python control flow on a tensor's value: traced specialized to the batch's path.",
+        num_layers=2,
     ),
     ZooEntry(
         "data_dependent_mask_index_is_refused",
