@@ -103,6 +103,19 @@ def fmt_bytes(nbytes: int | None) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
+def fmt_flops(flops: int | float) -> str:
+    """FLOPs in decimal units: ``512 FLOP``, ``1.50 GFLOP``, ``180.32 TFLOP``, ``1.20 PFLOP``.
+
+    Example:
+        >>> fmt_flops(512), fmt_flops(1.5e9), fmt_flops(180319906955264)
+        ('512 FLOP', '1.50 GFLOP', '180.32 TFLOP')
+    """
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops:.0f} FLOP"
+
+
 def mib(nbytes: float) -> str:
     """Bytes as MiB with 2 decimals, no unit: ``mib(3 * 2**20) == '3.00'``."""
     return f"{nbytes / MIB:.2f}"

@@ -11,7 +11,7 @@ from solvers import closed_forms
 
 from ..recompute import schedule as schedules
 from ..recompute.schedule import Schedule, megatron_equivalent, megatron_flags
-from ..formatting import fmt_bytes
+from ..formatting import fmt_bytes, fmt_flops
 from ..plan.op_planner import OpPlan, OpPlanner
 from ..plan.chain_calibration import closed_forms as chain_closed_forms
 from ..plan.planner import Plan
@@ -107,7 +107,8 @@ def plan_text(plan: Plan, result: ScheduleResult, calibrate_s: float, total_s: f
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
          if measured is not None else "measured peak      - (predicted only: nothing was run)" if result.predicted_only
          else "measured peak      - (not reported: the gradients differ)"),
-        f"recompute          {p.recompute_flops} FLOPs = {100 * p.recompute_fraction:.1f} % of forward",
+        f"recompute          {p.recompute_flops} FLOPs ({fmt_flops(p.recompute_flops)}) = "
+        f"{100 * p.recompute_fraction:.1f} % of forward",
         (f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the "
          "un-rewritten step" if not result.predicted_only else "gradients          - (predicted only: nothing was run)"),
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)}, none)",
@@ -201,7 +202,8 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
         f"chain model {p.model_peak_bytes}",
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
          if measured is not None else "measured peak      - (not reported: the gradients differ)"),
-        f"recompute          {p.recompute_flops} FLOPs, {p.recompute_bytes_moved} bytes moved "
+        f"recompute          {p.recompute_flops} FLOPs ({fmt_flops(p.recompute_flops)}), "
+        f"{p.recompute_bytes_moved} bytes moved "
         f"(cost {p.recompute_cost} in the cost model's unit)",
         f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)})",
