@@ -54,7 +54,7 @@ from .flags import check_flags
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 from ..errors import RematError
-from ..formatting import parse_bytes
+from ..formatting import fmt_bytes, parse_bytes
 from ..plan.op_planner import CostModel
 
 
@@ -193,6 +193,30 @@ def check_paths_and_sizes(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: a size must be more than 0 bytes")
 
 
+def size_notes(args: argparse.Namespace) -> list[str]:
+    """A line for each --budget / --device-memory whose unit is decimal (GB = 10^9
+    bytes) or absent (bytes), saying what it was read as, since 80GB and 80GiB differ by
+    7 % and a bare 80 is 80 bytes; binary units (GiB) need no note.
+
+    Example:
+        >>> size_notes(argparse.Namespace(budget="80GB", device_memory="80GiB"))
+        ['--budget 80GB read as 80,000,000,000 bytes = 74.51 GiB (GB, MB: powers of 1000; GiB, MiB: powers of 1024)']
+    """
+    notes = []
+    for name in ("budget", "device_memory"):
+        value = getattr(args, name, None)
+        if not isinstance(value, str):
+            continue
+        unit = value.strip().lstrip("0123456789.").strip().lower()
+        if unit in ("", "b"):
+            notes.append(f"--{name.replace('_', '-')} {value} read as {parse_bytes(value):,} bytes (a bare number is "
+                         "bytes: write 80GiB for 80 x 2^30)")
+        elif unit in ("kb", "mb", "gb", "tb"):
+            notes.append(f"--{name.replace('_', '-')} {value} read as {parse_bytes(value):,} bytes = "
+                         f"{fmt_bytes(parse_bytes(value))} (GB, MB: powers of 1000; GiB, MiB: powers of 1024)")
+    return notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``remat-pass`` console script."""
     parser = build_parser()
@@ -204,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_flags(args)
         check_paths_and_sizes(args)
+        for line in size_notes(args):
+            print(line, file=sys.stderr)
         return args.func(args)
     except (RematError, ValueError, ImportError, OSError) as e:
         print(f"remat-pass: error: {e}", file=sys.stderr)
