@@ -216,3 +216,13 @@ def test_a_step_that_cannot_fit_this_machine_is_refused_before_it_runs(monkeypat
     assert "running this step needs about" in err and "1.00 MiB available" in err and "--meta" in err, err
     # the same step predicted with --meta runs nothing and is not refused
     assert main([*argv, "--meta"]) == 0
+
+
+def test_decimal_and_bare_sizes_are_shown_as_read():
+    """80GB is 10^9-based and a bare 80 is bytes; both now say what they were read as."""
+    from remat_pass.cli.main import size_notes
+
+    notes = size_notes(build_parser().parse_args(["plan", "--budget", "80", "--device-memory", "80GB"]))
+    assert notes[0].startswith("--budget 80 read as 80 bytes (a bare number is bytes")
+    assert notes[1].startswith("--device-memory 80GB read as 80,000,000,000 bytes = 74.51 GiB")
+    assert size_notes(build_parser().parse_args(["plan", "--budget", "80GiB"])) == []
