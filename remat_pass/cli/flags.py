@@ -74,3 +74,8 @@ def check_flags(args: argparse.Namespace) -> None:
                                                    or getattr(args, "selective", False)):
         raise ValueError("--module-kind names the modules of a kind for --recompute-modules (or --selective); "
                          "alone it changes nothing")
+    if command == "report":
+        if getattr(args, "png", None) and all_schedules:
+            raise ValueError("--png draws one schedule: drop --all-schedules or --png")
+        if getattr(args, "measure", False) and (getattr(args, "meta", False) or getattr(args, "target", "cpu") != "cpu"):
+            raise ValueError("--measure runs the step on this CPU: it needs weights (no --meta) and --target cpu")

@@ -41,12 +41,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Markdown (stdout or --markdown), JSON (--json) and PNG (--png) liveness reports."""
-    if args.measure and (args.meta or args.target != "cpu"):
-        raise ValueError("--measure runs the step on this CPU: it needs weights (no --meta) and --target cpu")
-    w = load(args)
+    w = load(args)  # --measure and --png against their flags: flags.check_flags, before this
     todo = chosen_schedules(args, w)
-    if args.png and len(todo) != 1:
-        raise ValueError("--png draws one schedule: drop --all-schedules or --png")
     if (args.png or args.timeline) and w.session is None:
         raise ValueError("--png and --timeline need every step: add --trace-all-layers")
     docs, parts = [], []

@@ -30,6 +30,8 @@ REFUSED = [
     (["plan", "--budget", "0"], "more than 0 bytes"),
     (["check", "--budget", "0GiB"], "more than 0 bytes"),
     (["sweep", "--module-kind", "mlp=mlp"], "alone it changes nothing"),
+    (["report", "--all-schedules", "--png", "p.png"], "--png draws one schedule"),
+    (["report", "--measure", "--meta"], "--measure runs the step on this CPU"),
 ]
 
 
