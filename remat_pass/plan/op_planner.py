@@ -368,11 +368,11 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         past the end wrap around), and each point's change from storing the layer whole
         (``none``) is added to every layer's own ``none`` terms.
         """
-        L = self.stack.num_layers
+        L, per_stack = self.stack.num_layers, self.stack.layers_per_stack
         base = chain_costs(self.model)
-        last = self._step_costs(schedules.uniform(1, L))[3]
-        member = self._step_costs(schedules.uniform(L, L))[3]
-        stored = self._step_costs(schedules.none(L))
+        last = self._step_costs(schedules.uniform(1, per_stack))[3]
+        member = self._step_costs(schedules.uniform(max(per_stack), per_stack))[3]
+        stored = self._step_costs(schedules.none(per_stack))
         change: list[dict[int, tuple[int, int, int, int]]] = [{} for _ in self.kinds]
         rounds = max(-(-len(f) // len(k.layers)) for k, f in zip(self.kinds, self.fronts) if f) if any(self.fronts) else 0
         for r in range(rounds):
@@ -395,7 +395,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
                 for t in range(len(self.fronts[ki]))))
         return dataclasses.replace(
             base, last_recompute_flops=tuple(last[i] for i in range(L)),
-            member_recompute_flops=tuple(member[i] if i < L - 1 else 0 for i in range(L)),
+            member_recompute_flops=tuple(member[i] if i + 1 < base.stack_end(i) else 0 for i in range(L)),
             stored_options=tuple(options))
 
     # -- from a chain solution to a Partition, predicted
@@ -409,7 +409,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
                 kind = self.kinds[self.kind_of[layer]]
                 decision = self.fronts[self.kind_of[layer]][option - 1]
                 names |= kind.recomputable_in(layer, decision)
-        schedule = schedules.optimized(sol.groups, L) if sol.groups else None
+        schedule = schedules.optimized(sol.groups, self.stack.layers_per_stack) if sol.groups else None
         return op_level_partition(self.joint, self.stack, OpLevelChoice(POLICY, frozenset(names)), schedule)
 
     def least_feasible(self) -> CheckedPlan:

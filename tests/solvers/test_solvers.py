@@ -5,6 +5,7 @@ optimized schedule beats uniform/block, and the peak never rises as the budget f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -24,6 +25,7 @@ from solvers import (
     model_peak,
     pareto_front,
 )
+from solvers.chain import StackGap
 from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
 
 
@@ -63,6 +65,33 @@ def test_dynamic_program_is_exact(L, seed, options):
     for p in pareto_front(c):
         assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
 
+
+
+@pytest.mark.parametrize("L,starts,seed,options", [(4, (2,), 31, 0), (5, (2, 4), 32, 1), (6, (3,), 33, 2),
+                                                   (6, (1, 3), 34, 0)])
+def test_dynamic_program_is_exact_over_stacks_with_gaps(L, starts, seed, options):
+    """Several stacks with the outer steps between them (``StackGap``, large enough to
+    bind): the least recompute at each budget and the least feasible peak equal brute
+    force over every schedule whose groups stay inside a stack."""
+    r = random.Random(seed)
+    gaps = tuple(StackGap(r.randint(0, 300), r.randint(0, 300), r.randint(100, 600), r.randint(0, 400))
+                 for _ in starts)
+    c = dataclasses.replace(random_costs(L, seed, options), stack_starts=starts, stack_gaps=gaps)
+    every = []
+    for groups in all_groupings(L):
+        if any(b in g[1:] for g in groups for b in starts):
+            continue
+        inside = {i for g in groups for i in g}
+        choices = [range(len(c.options(i))) if i not in inside else [0] for i in range(L)]
+        every += [model_peak(c, groups, combo) for combo in itertools.product(*choices)]
+    least = min(s.peak_bytes for s in every)
+    assert least_feasible_peak(c).peak_bytes == least
+    with_gaps_binding = dataclasses.replace(c, stack_gaps=())
+    assert any(model_peak(with_gaps_binding, s.groups, s.options).peak_bytes < s.peak_bytes for s in every)
+    for budget in sorted({least, least + 11, (least + max(s.peak_bytes for s in every)) // 2}):
+        sol = least_recompute(c, budget)
+        assert sol.recompute_flops == min(s.recompute_flops for s in every if s.peak_bytes <= budget)
+        assert model_peak(c, sol.groups, sol.options) == sol
 
 
 @pytest.mark.parametrize("L,seed,options,offset", [(4, 21, 0, 37), (5, 22, 1, -23), (5, 23, 2, 0), (6, 24, 0, 150)])
