@@ -3,8 +3,10 @@ are recomputed, combined with whole-layer recompute groups, checked by liveness.
 
 1. Layer kinds: layers whose forward ops match node for node (same ops, shapes, reads)
    are one kind; each kind is solved once.
-2. Per kind, ``solvers.oplevel.layer_front`` gives every Pareto-optimal (saved bytes,
-   recompute cost) decision of a layer, exactly (integer programs, HiGHS).
+2. Per kind, ``solvers.oplevel.solve_layer_front`` gives every Pareto-optimal (saved
+   bytes, recompute cost) decision of a layer (integer programs, HiGHS), exactly unless
+   a time bound (``SolveLimits``) stops it, which the plan then says (``OpPlan.bound``)
+   with its proven gap.
 3. Each decision becomes a chain-model option (``solvers.StoredOption``), calibrated by
    liveness: the step with every layer of the kind taking it is rewritten and profiled
    (``symbolic.profile_step``), and the layer's saved bytes and forward / backward peaks
@@ -43,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from solvers import ChainCosts, CheckedPlan, Solution, StoredOption
-from solvers.oplevel import External, LayerDecision, LayerGraph, Unit, Value, layer_front
+from solvers.oplevel import External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value, solve_layer_front
 from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
@@ -278,6 +280,9 @@ class OpPlan:
         unconstrained_peak_bytes: liveness peak with every value saved.
         solve_time_s: seconds in the solver and its checks for this budget.
         resolves: how often the model budget was tightened by the liveness check.
+        bound: what stopped the search short of the exact optimum (``OpPlanner.bound_note``);
+            None when nothing did.
+        gap_cost: the largest proven gap of a layer trade-off point (cost units).
     """
 
     budget_bytes: int
@@ -295,6 +300,8 @@ class OpPlan:
     unconstrained_peak_bytes: int
     solve_time_s: float
     resolves: int
+    bound: str | None = None
+    gap_cost: int = 0
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -314,16 +321,20 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             ``sweep.Session.report``).
         cost_model: how a recomputed op is costed (``CostModel``).
         allocator: ``cpu`` or ``cuda`` sizes for the layer programs.
+        limits: the time bounds of each kind's integer programs and front
+            (``solvers.oplevel.SolveLimits``; default its defaults).
 
     Attributes:
-        kinds: the layer kinds; fronts: each kind's trade-off (``layer_front``).
+        kinds: the layer kinds; fronts: each kind's trade-off points;
+            layer_fronts: how each was found (``solvers.oplevel.LayerFront``: its proven
+            gap, whether a bound cut it).
         costs: the chain model with one option per trade-off point.
         unconstrained_peak_bytes: liveness peak with every value saved.
         prepare_s: seconds spent building all of it.
     """
 
     def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Partition], MemoryReport],
-                 cost_model: CostModel = CostModel(), allocator: str = "cpu"):
+                 cost_model: CostModel = CostModel(), allocator: str = "cpu", limits: SolveLimits | None = None):
         t0 = time.perf_counter()
         self.joint, self.stack, self.cost_model = joint, stack, cost_model
         timed = time_forward_ops(joint, stack) if cost_model.timed else None
@@ -331,11 +342,14 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             (lambda n: timed.get(n.name.removesuffix("_recompute"), 0)) if timed is not None
             else (lambda n: roofline_cost(n, cost_model.flops_per_byte)))
         self.kinds = layer_kinds(joint, stack, self.cost_of, allocator)
-        self.fronts = [layer_front(k.graph) for k in self.kinds]
+        self.limits = limits if limits is not None else SolveLimits()
+        self.layer_fronts: list[LayerFront] = [solve_layer_front(k.graph, self.limits) for k in self.kinds]
+        self.fronts = [list(f.points) for f in self.layer_fronts]
         self.kind_of = {layer: i for i, k in enumerate(self.kinds) for layer in k.layers}
         self.model = SymbolicModel.from_joint(joint, stack)
         self._conv = SizeConverter(self.model.joint)
         super().__init__(self._chain_costs(), self.partition, predict)
+        self.name_schedules(stack.layers_per_stack)
         self.unconstrained_peak_bytes = self.solution_report(Solution((), 0, 0)).peak_bytes
         self.prepare_s = time.perf_counter() - t0
 
@@ -412,6 +426,27 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         schedule = schedules.optimized(sol.groups, self.stack.layers_per_stack) if sol.groups else None
         return op_level_partition(self.joint, self.stack, OpLevelChoice(POLICY, frozenset(names)), schedule)
 
+    @property
+    def front_gap_cost(self) -> int:
+        """The largest proven gap of a trade-off point (cost units; 0: all optimal)."""
+        return max((f.gap_cost for f in self.layer_fronts), default=0)
+
+    def bound_note(self) -> str | None:
+        """What stopped the search short of the exact optimum, or None when nothing did:
+        the kinds whose front a time bound cut, and the proven gap."""
+        cut = [k for k, f in zip(self.kinds, self.layer_fronts) if not f.complete]
+        if not cut and not self.front_gap_cost:
+            return None
+        parts = []
+        if cut:
+            parts.append(f"the trade-off of {len(cut)} layer kind(s) (layers "
+                         f"{', '.join(str(k.layers[0]) for k in cut)}) was cut after "
+                         f"{self.limits.front_time_s:g} s (its least-bytes end kept)")
+        if self.front_gap_cost:
+            parts.append(f"HiGHS stopped at its time limit ({self.limits.program_time_s:g} s per program) "
+                         f"with a proven gap of {self.front_gap_cost} cost units")
+        return "; ".join(parts)
+
     def least_feasible(self) -> CheckedPlan:
         """The choice of least liveness peak the planner finds (``solvers.resolve``)."""
         return self.least_feasible_checked()
@@ -428,7 +463,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             saved_nodes=len(part.saved), recomputed_nodes=len(part.recomputed_names),
             least_feasible_peak_bytes=answer.least.predicted_peak_bytes,
             unconstrained_peak_bytes=self.unconstrained_peak_bytes, solve_time_s=answer.solve_time_s,
-            resolves=checked.resolves)
+            resolves=checked.resolves, bound=self.bound_note(), gap_cost=self.front_gap_cost)
 
     def _cost(self, plan: OpPlan) -> int:
         return plan.recompute_cost

@@ -188,6 +188,7 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
         f"layer kinds        {fronts}",
         f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; layer programs and "
         f"calibration {planner.prepare_s:.2f} s; total {total_s:.1f} s)",
+        f"search             {'exact' if p.bound is None else 'bounded: ' + p.bound}",
     ]
     return "\n".join(lines)
 
@@ -219,4 +220,6 @@ def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
         "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
         "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
         "solve_time_s": p.solve_time_s,
+        "search_bound": p.bound,
+        "proven_gap_cost": p.gap_cost,
     }

@@ -82,3 +82,24 @@ def test_plan_op_command_line(tmp_path, capsys):
     assert main(["plan", *CHAIN, "--budget", "1", "--granularity", "op"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "least feasible peak is" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_time_bound_that_cuts_the_search_is_stated_and_the_plan_still_fits():
+    """No time for the layer fronts: each stops after its first point and keeps its
+    least-bytes end; the plan says the search was bounded (and which kinds), its
+    predicted peak still fits and is measured, gradients bitwise equal."""
+    from solvers.oplevel import SolveLimits
+
+    s = Session.create(*small_gpt2(layers=2))
+    exact = OpPlanner(s.joint, s.stack, s.report)
+    bounded = OpPlanner(s.joint, s.stack, s.report, limits=SolveLimits(front_time_s=0))
+    assert exact.bound_note() is None and exact.front_gap_cost == 0
+    assert all(not f.complete for f in bounded.layer_fronts)
+    assert all(len(b) <= len(e) for b, e in zip(bounded.fronts, exact.fronts))
+    least = bounded.least_feasible().predicted_peak_bytes
+    plan = bounded.plan(least)
+    assert plan.bound is not None and "cut" in plan.bound
+    r = s.evaluate(plan.partition)
+    assert r.grads_equal and r.measured_peak_bytes == plan.predicted_peak_bytes <= least
+    assert exact.plan(exact.unconstrained_peak_bytes).bound is None

@@ -13,7 +13,7 @@ import pytest
 
 import chain_oracle
 from chain_cases import all_groupings, random_costs
-from remat_pass.errors import InfeasibleBudget
+from remat_pass.errors import InfeasibleBudget, RematError
 from solvers import (
     ChainCosts,
     least_feasible_checked,
@@ -26,7 +26,8 @@ from solvers import (
     pareto_front,
 )
 from solvers.chain import StackGap
-from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
+from solvers.oplevel import (External, LayerGraph, SolveLimits, Unit, Value, brute_force_front, evaluate, layer_front,
+                             quiet_stdout, solve_layer_front)
 
 
 def every_schedule(c: ChainCosts) -> list:
@@ -197,6 +198,45 @@ def test_layer_front_matches_brute_force(seed):
     for d in front:
         assert evaluate(g, d.recomputed) == d
     assert front[0].recompute_cost == 0  # recomputing nothing is always possible
+
+
+def test_solver_output_never_reaches_stdout(capfd):
+    """HiGHS prints from C past Python's sys.stdout; everything written to file
+    descriptor 1 while a layer's programs run is caught (and logged at DEBUG)."""
+    import ctypes
+    import os
+
+    with quiet_stdout():
+        ctypes.CDLL(None).printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(1, b"raw\n")
+    front = solve_layer_front(random_layer(3, 11))
+    out = capfd.readouterr().out
+    assert out == "" and front.exact, out
+
+
+def test_front_cut_by_its_time_bound_keeps_the_least_bytes_and_says_so():
+    """With no time for the front, the enumeration stops after its first point and the
+    least-bytes decision is solved once: the front still spans recomputing nothing to
+    the layer's least saved bytes, every point valid, and it says it is not complete."""
+    for seed in range(4):
+        g = random_layer(seed, 10)
+        exact = brute_force_front(g)
+        cut = solve_layer_front(g, SolveLimits(front_time_s=0))
+        assert not cut.complete and not cut.exact
+        assert cut.points[0].recompute_cost == 0
+        assert cut.points[-1].saved_bytes == exact[-1].saved_bytes
+        assert all(evaluate(g, d.recomputed) == d for d in cut.points)
+        assert all(b.saved_bytes < a.saved_bytes and b.recompute_cost > a.recompute_cost
+                   for a, b in zip(cut.points, cut.points[1:]))
+        full = solve_layer_front(g)
+        assert full.exact and [(d.saved_bytes, d.recompute_cost) for d in full.points] == [
+            (d.saved_bytes, d.recompute_cost) for d in exact]
+
+
+@pytest.mark.parametrize("bad", [{"program_time_s": -1}, {"mip_rel_gap": float("nan")}, {"max_points": 1}])
+def test_solve_limits_refuse_bad_values(bad):
+    with pytest.raises(RematError, match="SolveLimits"):
+        SolveLimits(**bad)
 
 
 def test_negative_recompute_budget():
