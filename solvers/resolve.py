@@ -67,7 +67,7 @@ def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates
     """
     candidates = [least_feasible_peak(costs)]
     if costs.num_layers <= max_front_layers:
-        candidates += _lowest_front(costs, candidates[0], front_candidates)
+        candidates += lowest_front(costs, candidates[0], front_candidates)
     candidates.append(model_peak(costs, ()))
     candidates += [model_peak(costs, groups) for groups in named]
     best: CheckedPlan | None = None
@@ -79,8 +79,10 @@ def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates
     return best
 
 
-def _lowest_front(costs: ChainCosts, least: Solution, n: int) -> list[Solution]:
-    """The ``n`` front points just above ``least`` (peak rising, recompute falling)."""
+def lowest_front(costs: ChainCosts, least: Solution, n: int) -> list[Solution]:
+    """The ``n`` Pareto-front points just above ``least`` (``least_feasible_peak``), peak
+    rising and recompute falling: each the least peak under a recompute one below the
+    previous one's (``least_peak``), so a bounded number of solves."""
     out: list[Solution] = []
     last = least
     while len(out) < n and last.recompute_flops > 0:

@@ -44,7 +44,8 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.fx as fx
 
-from solvers import ChainCosts, CheckedPlan, Solution, StoredOption
+from solvers import ChainCosts, CheckedPlan, Solution, StoredOption, least_feasible_peak
+from solvers.resolve import lowest_front
 from solvers.oplevel import External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value, solve_layer_front
 from solvers.poly import max_value
 
@@ -350,6 +351,11 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         self._conv = SizeConverter(self.model.joint)
         super().__init__(self._chain_costs(), self.partition, predict)
         self.name_schedules(stack.layers_per_stack)
+        # the layer level's lowest answers (whole layers only), so the op level's least
+        # is never above the layer level's
+        whole = dataclasses.replace(self.costs, stored_options=())
+        low = least_feasible_peak(whole)
+        self.named_groups += tuple(s.groups for s in [low, *lowest_front(whole, low, 3)])
         self.unconstrained_peak_bytes = self.solution_report(Solution((), 0, 0)).peak_bytes
         self.prepare_s = time.perf_counter() - t0
 

@@ -182,7 +182,7 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
          if measured is not None else "measured peak      - (not reported: the gradients differ)"),
         f"recompute          {p.recompute_flops} FLOPs, {p.recompute_bytes_moved} bytes moved "
         f"(cost {p.recompute_cost} in the cost model's unit)",
-        f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
+        f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the un-rewritten step",
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)})",
         f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
         f"layer kinds        {fronts}",
@@ -217,6 +217,7 @@ def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
         "recompute_cost": p.recompute_cost,
         "forward_flops": p.forward_flops,
         "grads_equal": result.grads_equal,
+        "grads_within_run_to_run": result.grads_within_run_to_run,
         "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
         "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
         "solve_time_s": p.solve_time_s,

@@ -103,3 +103,26 @@ def test_a_time_bound_that_cuts_the_search_is_stated_and_the_plan_still_fits():
     r = s.evaluate(plan.partition)
     assert r.grads_equal and r.measured_peak_bytes == plan.predicted_peak_bytes <= least
     assert exact.plan(exact.unconstrained_peak_bytes).bound is None
+
+
+@pytest.mark.slow
+def test_op_plan_text_gives_the_shared_gradient_verdict():
+    """The op-level plan text says what sweep says (``ScheduleResult.grads_text``): a
+    step whose backward is not bitwise reproducible is 'within run-to-run', not
+    'DIFFER'; a real difference is 'DIFFER by ...'."""
+    import dataclasses
+
+    from remat_pass.report.plan_report import op_plan_json, op_plan_text
+
+    s = Session.create(*linear_chain(batch=8, width=16, layers=3))
+    planner = OpPlanner(s.joint, s.stack, s.report)
+    plan = planner.plan(planner.unconstrained_peak_bytes)
+    r = s.evaluate(plan.partition)
+    noisy = dataclasses.replace(r, grads_equal=False, grads_within_run_to_run=True,
+                                max_grad_diff_vs_reference=1e-9, run_to_run_grad_diff=2e-9)
+    text = op_plan_text(plan, noisy, planner, 0.0)
+    assert "within run-to-run" in text and "DIFFER" not in text
+    assert op_plan_json(plan, noisy)["grads_within_run_to_run"] is True
+    differ = dataclasses.replace(noisy, grads_within_run_to_run=False)
+    assert "DIFFER by" in op_plan_text(plan, differ, planner, 0.0)
+    assert "search             exact" in op_plan_text(plan, r, planner, 0.0)
