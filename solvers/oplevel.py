@@ -225,6 +225,9 @@ class SolveLimits:
         front_time_s: seconds for the whole front of one layer kind; when spent, the
             front stops and its least-bytes end is solved once.
         max_points: the most points a front keeps (the least-bytes end is kept).
+        calibrate_time_s: seconds the caller may spend calibrating the points (the op
+            planner's liveness profiles, ``remat_pass.plan.op_planner``): past it, the
+            points not yet calibrated are left out (both ends and an even spread first).
 
     Raises:
         RematError: a limit is negative or not a number.
@@ -234,9 +237,10 @@ class SolveLimits:
     mip_rel_gap: float = 0.0
     front_time_s: float = 15.0
     max_points: int = 64
+    calibrate_time_s: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("program_time_s", "mip_rel_gap", "front_time_s"):
+        for name in ("program_time_s", "mip_rel_gap", "front_time_s", "calibrate_time_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise RematError(f"SolveLimits.{name} must be a number >= 0, got {v!r}")
@@ -268,6 +272,27 @@ class LayerFront:
     def exact(self) -> bool:
         """Every point proven optimal and the whole front enumerated."""
         return self.complete and self.gap_cost == 0
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 with both ends first, then midpoints by bisection (an even spread at any
+    prefix): the order in which a bounded caller takes a front's points.
+
+    >>> spread_order(6)
+    [0, 5, 2, 1, 3, 4]
+    """
+    if n <= 2:
+        return list(range(n))
+    out, intervals = [0, n - 1], [(0, n - 1)]
+    while intervals:
+        nxt = []
+        for a, b in intervals:
+            if b - a > 1:
+                m = (a + b) // 2
+                out.append(m)
+                nxt += [(a, m), (m, b)]
+        intervals = nxt
+    return out
 
 
 class _Answer(NamedTuple):

@@ -46,7 +46,8 @@ import torch.fx as fx
 
 from solvers import ChainCosts, CheckedPlan, Solution, StoredOption, least_feasible_peak
 from solvers.resolve import lowest_front
-from solvers.oplevel import External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value, solve_layer_front
+from solvers.oplevel import (External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value,
+                             solve_layer_front, spread_order)
 from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
@@ -384,9 +385,11 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         A layer's option changes its own terms (saved bytes, forward and backward peaks
         above the layers below, recompute cost) by the same amount in every layer of
         its kind, so one profile measures as many points as the kind has layers: in
-        profile r, the kind's j-th layer takes point ``r * m + j`` (m layers; points
-        past the end wrap around), and each point's change from storing the layer whole
-        (``none``) is added to every layer's own ``none`` terms.
+        profile r, the kind's j-th layer takes the ``r * m + j``-th point of
+        ``solvers.oplevel.spread_order`` (m layers; past the end it wraps around), and
+        each point's change from storing the layer whole (``none``) is added to every
+        layer's own ``none`` terms. Past ``limits.calibrate_time_s`` the profiles stop
+        and the points not calibrated are left out of ``fronts`` (``calibrated_points``).
         """
         L, per_stack = self.stack.num_layers, self.stack.layers_per_stack
         base = chain_costs(self.model)
@@ -395,24 +398,31 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         stored = self._step_costs(schedules.none(per_stack))
         change: list[dict[int, tuple[int, int, int, int]]] = [{} for _ in self.kinds]
         rounds = max(-(-len(f) // len(k.layers)) for k, f in zip(self.kinds, self.fronts) if f) if any(self.fronts) else 0
+        order = [spread_order(len(f)) for f in self.fronts]
+        t0 = time.perf_counter()
         for r in range(rounds):
+            if r and time.perf_counter() - t0 > self.limits.calibrate_time_s:
+                break
             names: set[str] = set()
             point_of: dict[int, int] = {}
             for ki, (kind, front) in enumerate(zip(self.kinds, self.fronts)):
                 for j, layer in enumerate(kind.layers):
                     if front:
-                        point_of[layer] = (r * len(kind.layers) + j) % len(front)
+                        point_of[layer] = order[ki][(r * len(kind.layers) + j) % len(front)]
                         names |= kind.recomputable_in(layer, front[point_of[layer]])
             terms = self._step_costs(op_level_partition(
                 self.model.joint, self.stack, OpLevelChoice(POLICY, frozenset(names))))
             for layer, t in point_of.items():
                 change[self.kind_of[layer]].setdefault(t, tuple(terms[f][layer] - stored[f][layer] for f in range(4)))
+        kept = [sorted(c) for c in change]
+        self.calibrated_points = [(len(k), len(f)) for k, f in zip(kept, self.fronts)]
+        self.fronts = [[front[t] for t in k] for k, front in zip(kept, self.fronts)]
         options = []
         for i in range(L):
             ki = self.kind_of[i]
             options.append(tuple(
                 StoredOption(*(stored[f][i] + change[ki][t][f] for f in range(4)), f"{POLICY}[{t}]")
-                for t in range(len(self.fronts[ki]))))
+                for t in kept[ki]))
         return dataclasses.replace(
             base, last_recompute_flops=tuple(last[i] for i in range(L)),
             member_recompute_flops=tuple(member[i] if i + 1 < base.stack_end(i) else 0 for i in range(L)),
@@ -441,9 +451,13 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         """What stopped the search short of the exact optimum, or None when nothing did:
         the kinds whose front a time bound cut, and the proven gap."""
         cut = [k for k, f in zip(self.kinds, self.layer_fronts) if not f.complete]
-        if not cut and not self.front_gap_cost:
+        uncalibrated = [(k, n) for k, n in zip(self.kinds, self.calibrated_points) if n[0] < n[1]]
+        if not cut and not self.front_gap_cost and not uncalibrated:
             return None
         parts = []
+        if uncalibrated:
+            parts.append(f"calibration stopped after {self.limits.calibrate_time_s:g} s: "
+                         + ", ".join(f"layers {list(k.layers)} {a} of {b} trade-off points" for k, (a, b) in uncalibrated))
         if cut:
             parts.append(f"the trade-off of {len(cut)} layer kind(s) (layers "
                          f"{', '.join(str(k.layers[0]) for k in cut)}) was cut after "

@@ -103,6 +103,14 @@ def test_a_time_bound_that_cuts_the_search_is_stated_and_the_plan_still_fits():
     r = s.evaluate(plan.partition)
     assert r.grads_equal and r.measured_peak_bytes == plan.predicted_peak_bytes <= least
     assert exact.plan(exact.unconstrained_peak_bytes).bound is None
+    # no time to calibrate: one profile, each kind's points spread from both ends
+    few = OpPlanner(s.joint, s.stack, s.report, limits=SolveLimits(calibrate_time_s=0))
+    assert all(a < b for a, b in few.calibrated_points) and "calibration stopped" in few.bound_note()
+    assert all(len(f) == len(k.layers) for f, k in zip(few.fronts, few.kinds))
+    least = few.least_feasible().predicted_peak_bytes
+    plan = few.plan(least)
+    r = s.evaluate(plan.partition)
+    assert r.grads_equal and r.measured_peak_bytes == plan.predicted_peak_bytes <= least
 
 
 @pytest.mark.slow
