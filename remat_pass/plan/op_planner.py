@@ -419,7 +419,10 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         self.fronts = [[front[t] for t in k] for k, front in zip(kept, self.fronts)]
         options = []
         for i in range(L):
-            ki = self.kind_of[i]
+            ki = self.kind_of.get(i)
+            if ki is None:  # a layer with no forward op (never called): nothing to trade
+                options.append(())
+                continue
             options.append(tuple(
                 StoredOption(*(stored[f][i] + change[ki][t][f] for f in range(4)), f"{POLICY}[{t}]")
                 for t in kept[ki]))

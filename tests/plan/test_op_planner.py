@@ -134,3 +134,19 @@ def test_op_plan_text_gives_the_shared_gradient_verdict():
     differ = dataclasses.replace(noisy, grads_within_run_to_run=False)
     assert "DIFFER by" in op_plan_text(plan, differ, planner, 0.0)
     assert "search             exact" in op_plan_text(plan, r, planner, 0.0)
+
+
+def test_a_layer_that_is_never_called_has_no_options():
+    """A stack whose layer 1 is never called (zoo ``layer_never_called``): it holds no
+    forward op, so it has no trade-off; the op planner plans the rest (was a KeyError)
+    and its least is no higher than any Megatron setting's."""
+    from zoo import ZOO
+    from remat_pass.recompute.schedule import distinct_megatron_schedules
+
+    entry = next(e for e in ZOO if e.name == "layer_never_called")
+    s = Session.create(*entry.build())
+    planner = OpPlanner(s.joint, s.stack, s.report)
+    least = planner.least_feasible().predicted_peak_bytes
+    assert least <= min(s.report(m).peak_bytes for m in distinct_megatron_schedules(s.stack.layers_per_stack))
+    r = s.evaluate(planner.plan(least).partition)
+    assert r.grads_equal and r.measured_peak_bytes == r.predicted_peak_bytes <= least
