@@ -191,11 +191,17 @@ def quiet_stdout() -> Iterator[None]:
             sys.stdout.flush()
         if libc is not None:
             libc.fflush(None)
-        saved = os.dup(1)
+        try:
+            saved = os.dup(1)
+        except OSError:  # no fd 1 at all: nothing can reach a stdout
+            yield
+            return
         os.dup2(sink.fileno(), 1)
         try:
             yield
         finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()
             if libc is not None:
                 libc.fflush(None)
             os.dup2(saved, 1)
