@@ -208,7 +208,11 @@ def bench_model(name: str, model: torch.nn.Module, ids: torch.Tensor, label: str
                        recomputed_nodes=ours["recomputed_nodes"], saved_nodes=ours["saved_nodes"],
                        step_s=ours["step_s"], grads_equal=eq, max_grad_diff=diff, partition=ours["partition"],
                        error=None)
-        except remat_pass.RematError as e:  # below the least feasible peak: said, not hidden
+        except Exception as e:  # noqa: BLE001 - below the least feasible peak: said, not hidden
+            cause = planning_error(e)
+            if cause is None:
+                raise
+            e = cause
             row.update(measured_peak_bytes=None, predicted_peak_bytes=None, recompute_flops=None,
                        recompute_bytes_moved=None, recomputed_nodes=None, saved_nodes=None, step_s=None,
                        grads_equal=None, max_grad_diff=None, partition=None, error=str(e))
@@ -228,6 +232,22 @@ def bench_model(name: str, model: torch.nn.Module, ids: torch.Tensor, label: str
                          "max_grad_diff": diff})
     print_tables(label, rows, megatron, eager, time.perf_counter() - t_model)
     return rows + megatron
+
+
+def planning_error(e: BaseException) -> remat_pass.RematError | None:
+    """The RematError behind ``e`` (torch.compile wraps a backend's error in
+    ``BackendCompilerFailed``; its ``inner_exception`` or ``__cause__`` is it), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, remat_pass.RematError):
+            return err
+        todo += [getattr(err, "inner_exception", None), err.__cause__, err.__context__]
+    return None
 
 
 def mib(v: int | None) -> str:

@@ -17,7 +17,7 @@
 - ``solvers.errors``: the error types (re-exported by ``remat_pass.errors``).
 """
 
-from .chain import ChainCosts, Solution, StoredOption, model_peak
+from .chain import ChainCosts, Solution, StackGap, StoredOption, model_peak
 from .chain_search import least_feasible_peak, least_peak, least_recompute, pareto_front
 from .errors import InfeasibleBudget, InvalidSchedule, RematError
 from .resolve import CheckedPlan, least_feasible_checked, least_recompute_checked, least_recompute_offset
@@ -29,6 +29,7 @@ __all__ = [
     "InvalidSchedule",
     "RematError",
     "Solution",
+    "StackGap",
     "StoredOption",
     "least_feasible_checked",
     "least_feasible_peak",

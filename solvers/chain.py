@@ -20,6 +20,13 @@ liveness (``remat_pass.plan.chain_calibration.chain_costs``):
 - Several layer stacks (an encoder and a decoder) form one chain, stack after stack;
   ``stack_starts`` lists the first layer of every stack after the first, and no group
   spans a stack boundary (a group is rebuilt from one saved input).
+- Between two stacks, the outer steps there (the encoder's final norm, the decoder's
+  embedding, and their backward) are ``M(<b) + `` a ``StackGap`` term at the boundary b
+  (``stack_gaps``, one per entry of ``stack_starts``): its forward term with or without
+  groups in the schedule, its backward term with or without a group below b (the values
+  saved once for the groups, below, are in the grouped terms). Without them a
+  constant ``outer_bytes`` would count the encoder's stored activations there in every
+  schedule.
 - A schedule with at least one group also saves ``shared_checkpoint_bytes``: outer
   values every group reads (an attention mask), saved once. They are live in every
   forward region, the head, and the backward of every layer above the lowest group
@@ -60,6 +67,31 @@ class StoredOption(NamedTuple):
     name: str = ""
 
 
+class StackGap(NamedTuple):
+    """The outer steps between two layer stacks, above ``M(<b)`` (b: the later stack's
+    first layer), in bytes.
+
+    Attributes:
+        forward_bytes: their forward peak in a schedule without groups.
+        forward_grouped_bytes: the same with a group anywhere.
+        backward_bytes: their backward peak with no group below b.
+        backward_grouped_bytes: the same with a group below b.
+    """
+
+    forward_bytes: int
+    forward_grouped_bytes: int
+    backward_bytes: int
+    backward_grouped_bytes: int
+
+    def forward(self, grouped: bool) -> int:
+        """The forward term (bytes) with or without groups in the schedule."""
+        return self.forward_grouped_bytes if grouped else self.forward_bytes
+
+    def backward(self, group_below: bool) -> int:
+        """The backward term (bytes) with or without a group below the boundary."""
+        return self.backward_grouped_bytes if group_below else self.backward_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainCosts:
     """Per-layer costs of a layer stack (bytes and FLOPs, plain ints; length L each).
@@ -68,6 +100,8 @@ class ChainCosts:
     layer i's op-level options (empty: none; the whole tuple may be empty).
     ``stack_starts``: the first layer of each stack after the first when the chain is
     several stacks (no group spans one of these boundaries); empty for one stack.
+    ``stack_gaps``: the outer steps at each of those boundaries (``StackGap``; empty:
+    none modelled there).
     """
 
     stored_saved_bytes: tuple[int, ...]
@@ -86,18 +120,29 @@ class ChainCosts:
     shared_checkpoint_bytes: int = 0
     stored_options: tuple[tuple[StoredOption, ...], ...] = ()
     stack_starts: tuple[int, ...] = ()
+    stack_gaps: tuple[StackGap, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.stored_saved_bytes)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "stack_starts" or (f.name == "stored_options" and not v):
+            if f.name in ("stack_starts", "stack_gaps") or (f.name == "stored_options" and not v):
                 continue
             if isinstance(v, tuple) and len(v) != n:
                 raise ValueError(f"ChainCosts.{f.name} has {len(v)} entries for L={n} layers")
         if list(self.stack_starts) != sorted(set(self.stack_starts)) or any(
                 not 0 < s < n for s in self.stack_starts):
             raise ValueError(f"ChainCosts.stack_starts {self.stack_starts} are not increasing layers in 1..{n - 1}")
+        if self.stack_gaps and len(self.stack_gaps) != len(self.stack_starts):
+            raise ValueError(f"ChainCosts.stack_gaps has {len(self.stack_gaps)} entries for "
+                             f"{len(self.stack_starts)} stack boundaries")
+
+    def gap_at(self, boundary: int) -> StackGap | None:
+        """The ``StackGap`` at a layer boundary (None: no stack starts there, or none is
+        modelled)."""
+        if not self.stack_gaps or boundary not in self.stack_starts:
+            return None
+        return self.stack_gaps[self.stack_starts.index(boundary)]
 
     def stack_end(self, layer: int) -> int:
         """One past the last layer of the stack holding ``layer`` (L for the last stack)."""
@@ -198,6 +243,9 @@ def model_peak(c: ChainCosts, groups: Sequence[Sequence[int]], options: Sequence
     seen_group = False
     i = 0
     while i < c.num_layers:
+        gap = c.gap_at(i)
+        if gap is not None:
+            peak = max(peak, m + gap.forward(bool(start_of)), m + gap.backward(seen_group))
         if i in start_of:
             q = start_of[i]
             g = _group_terms(c, i, q)

@@ -88,8 +88,16 @@ def _needs(c: ChainCosts, groups: _Groups) -> tuple[np.ndarray, np.ndarray, np.n
                        for o in opts)
             if fam != _NO_GROUPS:
                 best = min(best, np.maximum(gp + xb, gs + need[_AFTER_GROUP][i + 1:i + 1 + len(gp)]).min())
-            need[fam][i] = best
+            need[fam][i] = max(best, _gap_above(c.gap_at(i), fam))
     return need
+
+
+def _gap_above(gap, fam: int) -> int:  # noqa: ANN001
+    """The bytes above M the outer steps at a stack boundary need for a family (0: no
+    gap there). The family says whether groups exist (forward) and below (backward)."""
+    if gap is None:
+        return 0
+    return max(gap.forward(fam != _NO_GROUPS), gap.backward(fam == _AFTER_GROUP))
 
 
 class _States(NamedTuple):
@@ -245,6 +253,9 @@ class _Search:
             score = front.recompute.astype(np.float64) + self.lower(key[0], key[1], front.saved)
             keep = np.sort(np.argsort(score, kind="stable")[:self.beam])
             front = _States(*(a[keep] for a in front))
+        gap = self.c.gap_at(key[0])
+        if front is not None and gap is not None:  # the outer steps between two stacks
+            front = front._replace(peak=np.maximum(front.peak, front.saved + _gap_above(gap, key[1])))
         if front is not None:
             self.fronts[key] = front
         return front
@@ -426,6 +437,7 @@ def _peak_bound(c: ChainCosts) -> int:
               "recomputed_forward_bytes", "stored_backward_bytes", "recomputed_backward_bytes", "carry_bytes"):
         total += sum(abs(v) for v in getattr(c, f))
     total += sum(abs(v) for opts in c.stored_options for o in opts for v in o[:3])
+    total += sum(abs(v) for gap in c.stack_gaps for v in gap)
     return total
 
 

@@ -29,9 +29,16 @@ decision's figures by the same rules.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import itertools
-from typing import Sequence
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -169,6 +176,140 @@ def _front(decisions: list[LayerDecision]) -> list[LayerDecision]:
     return out
 
 
+_log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 sent to a temporary file while the block runs (HiGHS prints
+    from C, past Python's ``sys.stdout``, e.g. ``HighsMipSolverData::transformNewIntegerFeasibleSolution``
+    lines); what it caught goes to this module's logger at DEBUG level. C's buffers are
+    flushed before fd 1 is restored, so nothing reaches the user's stdout later."""
+    libc = _libc()
+    with tempfile.TemporaryFile() as sink:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        if libc is not None:
+            libc.fflush(None)
+        try:
+            saved = os.dup(1)
+        except OSError:  # no fd 1 at all: nothing can reach a stdout
+            yield
+            return
+        os.dup2(sink.fileno(), 1)
+        try:
+            yield
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()
+            if libc is not None:
+                libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            caught = sink.read().decode(errors="replace")
+            if caught:
+                _log.debug("HiGHS printed: %s", caught.rstrip())
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library (its ``fflush``), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveLimits:
+    """Bounds on the time the integer programs of a layer take.
+
+    Attributes:
+        program_time_s: HiGHS ``time_limit`` of one program (seconds); an answer found by
+            then is kept with its proven gap.
+        mip_rel_gap: HiGHS ``mip_rel_gap`` (0: solved to proven optimality).
+        front_time_s: seconds for the whole front of one layer kind; when spent, the
+            front stops and its least-bytes end is solved once.
+        max_points: the most points a front keeps (the least-bytes end is kept).
+        calibrate_time_s: seconds the caller may spend calibrating the points (the op
+            planner's liveness profiles, ``remat_pass.plan.op_planner``): past it, the
+            points not yet calibrated are left out (both ends and an even spread first).
+
+    Raises:
+        RematError: a limit is negative or not a number.
+    """
+
+    program_time_s: float = 5.0
+    mip_rel_gap: float = 0.0
+    front_time_s: float = 15.0
+    max_points: int = 64
+    calibrate_time_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("program_time_s", "mip_rel_gap", "front_time_s", "calibrate_time_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise RematError(f"SolveLimits.{name} must be a number >= 0, got {v!r}")
+        if not isinstance(self.max_points, int) or self.max_points < 2:
+            raise RematError(f"SolveLimits.max_points must be an integer >= 2, got {self.max_points!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFront:
+    """A layer's trade-off as ``solve_layer_front`` found it.
+
+    Attributes:
+        points: the Pareto-optimal decisions found, least cost first.
+        gap_cost: the largest proven gap of a point (recompute cost units): how much
+            cheaper a decision within its bytes could be; 0 when every program was
+            solved to optimality.
+        complete: the whole front was enumerated (not cut by ``front_time_s``).
+        programs: integer programs solved.
+        solve_time_s: seconds it took.
+    """
+
+    points: tuple[LayerDecision, ...]
+    gap_cost: int
+    complete: bool
+    programs: int
+    solve_time_s: float
+
+    @property
+    def exact(self) -> bool:
+        """Every point proven optimal and the whole front enumerated."""
+        return self.complete and self.gap_cost == 0
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 with both ends first, then midpoints by bisection (an even spread at any
+    prefix): the order in which a bounded caller takes a front's points.
+
+    >>> spread_order(6)
+    [0, 5, 2, 1, 3, 4]
+    """
+    if n <= 2:
+        return list(range(n))
+    out, intervals = [0, n - 1], [(0, n - 1)]
+    while intervals:
+        nxt = []
+        for a, b in intervals:
+            if b - a > 1:
+                m = (a + b) // 2
+                out.append(m)
+                nxt += [(a, m), (m, b)]
+        intervals = nxt
+    return out
+
+
+class _Answer(NamedTuple):
+    """One program's answer: the variables, its proven gap (objective units), and
+    whether the time limit stopped it."""
+
+    x: np.ndarray | None
+    gap: int
+    timed_out: bool
+
+
 class _Program:
     """The integer program of one layer: variables ``[save value v | recompute unit u |
     hold storage s | hold external e]``, all binary."""
@@ -209,8 +350,13 @@ class _Program:
         self.cost = np.zeros(self.n)
         self.cost[self.rec:self.rec + nu] = [unit.cost for unit in g.units]
 
-    def solve(self, objective: np.ndarray, extra: list[tuple[np.ndarray, float]]) -> np.ndarray | None:
-        """Minimise ``objective`` under the structure and ``extra`` rows ``a @ x <= b``."""
+    def solve(self, objective: np.ndarray, extra: list[tuple[np.ndarray, float]],
+              limits: SolveLimits | None = None, time_left_s: float = np.inf) -> _Answer | None:
+        """Minimise ``objective`` under the structure and ``extra`` rows ``a @ x <= b``,
+        within ``limits`` (HiGHS ``time_limit``: the smaller of the program's limit and
+        ``time_left_s``; ``mip_rel_gap``). None: proven infeasible; an answer with no
+        ``x``: stopped by the time limit before any solution was found."""
+        limits = limits or SolveLimits()
         data, row_idx, col_idx, low, high = [], [], [], [], []
         for r, (coef, lo, hi) in enumerate(self.rows):
             for c, a in coef.items():
@@ -222,13 +368,21 @@ class _Program:
                 row_idx.append(r), col_idx.append(int(c)), data.append(float(a[c]))
             low.append(-np.inf), high.append(b)
         matrix = coo_array((data, (row_idx, col_idx)), shape=(len(low), self.n)).tocsr()
-        res = milp(objective, constraints=LinearConstraint(matrix, low, high), bounds=self.bounds,
-                   integrality=np.ones(self.n), options={"mip_rel_gap": 0.0, "presolve": True})
+        options = {"mip_rel_gap": limits.mip_rel_gap, "presolve": True, "disp": False,
+                   "time_limit": max(1e-3, min(limits.program_time_s, time_left_s))}
+        with quiet_stdout():
+            res = milp(objective, constraints=LinearConstraint(matrix, low, high), bounds=self.bounds,
+                       integrality=np.ones(self.n), options=options)
         if res.status == 2:  # infeasible
             return None
-        if res.status != 0 or res.x is None:
+        if res.status == 1 and res.x is None:  # no solution found in time
+            return _Answer(None, 0, True)
+        if res.status not in (0, 1) or res.x is None:
             raise RematError(f"HiGHS did not solve the layer's integer program: {res.message}")
-        return np.round(res.x).astype(int)
+        bound = getattr(res, "mip_dual_bound", None)
+        # objective values are integers: the optimum is at least the dual bound rounded up
+        gap = 0 if bound is None or not np.isfinite(bound) else max(0, int(round(res.fun)) - int(np.ceil(bound - 1e-6)))
+        return _Answer(np.round(res.x).astype(int), gap, res.status == 1)
 
     def decision(self, x: np.ndarray) -> LayerDecision:
         rec = tuple(int(u) for u in np.flatnonzero(x[self.rec:self.rec + len(self.g.units)]))
@@ -238,37 +392,67 @@ class _Program:
         return d
 
 
-def layer_front(g: LayerGraph, max_points: int = 64) -> list[LayerDecision]:
+def layer_front(g: LayerGraph, max_points: int = 64, limits: SolveLimits | None = None) -> list[LayerDecision]:
+    """The points of ``solve_layer_front(g, limits)`` (at most ``max_points``), least
+    cost first. Same errors."""
+    limits = dataclasses.replace(limits or SolveLimits(), max_points=max_points)
+    return list(solve_layer_front(g, limits).points)
+
+
+def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None) -> LayerFront:
     """Every Pareto-optimal (saved bytes, recompute cost) decision of the layer, least
-    cost first (at most ``max_points``; the least-bytes end is kept when cut).
+    cost first, within ``limits`` (at most ``limits.max_points``; the least-bytes end is
+    kept when cut).
 
     Each point is the least recompute cost among decisions saving at most a cap (an
-    integer program solved exactly: relative gap 0); the next cap is one byte below its
+    integer program; HiGHS ``time_limit`` and ``mip_rel_gap`` from ``limits``, an
+    answer stopped by them carrying its proven gap); the next cap is one byte below its
     saved bytes, and an answer of the same cost with fewer bytes replaces the previous
-    point, so every point ends at the least bytes of its cost. The figures of each point are recomputed
-    with ``evaluate`` from the recomputed units (exact integers), and each point's
-    recompute set is the least needed (units nothing reads are not recomputed).
+    point, so every point ends at the least bytes of its cost (the epsilon-constraint
+    method, Haimes et al. 1971). When ``limits.front_time_s`` is spent the enumeration
+    stops and the least-bytes decision is solved once, so the front still reaches the
+    layer's least saved bytes (``LayerFront.complete`` False). The figures of each point
+    are recomputed with ``evaluate`` from the recomputed units (exact integers), and each
+    point's recompute set is the least needed (units nothing reads are not recomputed).
 
     Raises:
         RematError: HiGHS fails (not for an infeasible cap, which ends the front).
     """
+    limits = limits or SolveLimits()
+    t0 = time.perf_counter()
     prog = _Program(g)
-    front: list[LayerDecision] = []
+    found: list[LayerDecision] = []
+    gap, programs, complete = 0, 0, True
     cap = float(prog.bytes.sum()) + 1
     while cap >= 0:
-        x = prog.solve(prog.cost, [(prog.bytes, cap)])
-        if x is None:
+        left = limits.front_time_s - (time.perf_counter() - t0)
+        if left <= 0 and found:
+            complete = False
             break
-        d = _least_needed(g, prog.decision(x))
-        if front and d.recompute_cost == front[-1].recompute_cost:
-            front[-1] = d  # the same cost with fewer bytes: the earlier point was not minimal
+        answer = prog.solve(prog.cost, [(prog.bytes, cap)], limits, left if found else np.inf)
+        programs += 1
+        if answer is None:  # proven infeasible: no decision saves fewer bytes
+            break
+        if answer.x is None:  # stopped by the time limit before any decision was found
+            complete = False
+            break
+        gap = max(gap, answer.gap)
+        d = _least_needed(g, prog.decision(answer.x))
+        if found and d.recompute_cost == found[-1].recompute_cost:
+            found[-1] = d  # the same cost with fewer bytes: the earlier point was not minimal
         else:
-            front.append(d)
+            found.append(d)
         cap = d.saved_bytes - 1
-    if len(front) > max_points:
-        step = (len(front) - 1) / (max_points - 1)
-        front = [front[round(k * step)] for k in range(max_points)]
-    return front
+    if not complete:  # the least-bytes end, solved once
+        answer = prog.solve(prog.bytes, [], limits)
+        programs += 1
+        if answer is not None and answer.x is not None:
+            found.append(_least_needed(g, prog.decision(answer.x)))
+    front = _front(found)
+    if len(front) > limits.max_points:
+        step = (len(front) - 1) / (limits.max_points - 1)
+        front = [front[round(k * step)] for k in range(limits.max_points)]
+    return LayerFront(tuple(front), gap, complete, programs, time.perf_counter() - t0)
 
 
 def _least_needed(g: LayerGraph, d: LayerDecision) -> LayerDecision:

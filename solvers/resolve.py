@@ -13,10 +13,10 @@ repeated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 from .chain import ChainCosts, Solution, model_peak
-from .chain_search import least_feasible_peak, least_recompute, pareto_front
+from .chain_search import least_feasible_peak, least_peak, least_recompute
 from .errors import InfeasibleBudget, infeasible
 
 Groups = tuple[tuple[int, ...], ...]
@@ -51,19 +51,25 @@ class CheckedPlan:
 
 
 def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates: int = 3,
-                           max_front_layers: int = 16) -> CheckedPlan:
-    """The schedule of least *predicted* peak among the chain model's lowest-peak answers.
+                           max_front_layers: int = 16, named: Sequence[Groups] = ()) -> CheckedPlan:
+    """The schedule of least *predicted* peak among the chain model's lowest-peak answers
+    and the schedules the caller names.
 
     The model's least-peak schedule and, for stacks of at most ``max_front_layers``
-    layers, the ``front_candidates`` lowest-peak schedules of its Pareto front are
-    predicted, and so is recomputing nothing (the chain model can be wrong on which side
-    of it a schedule falls: on tiny layers, recompute can cost more bytes than it saves);
-    the lowest prediction wins (ties: the first, i.e. the model's choice).
+    layers, the ``front_candidates`` lowest-peak schedules of its Pareto front (found from
+    the bottom, each the least peak under a recompute just below the previous one's:
+    ``least_peak``, a bounded number of solves, never the whole front) are predicted,
+    and so is recomputing nothing (the chain model can be wrong on which side of it a
+    schedule falls: on tiny layers, recompute can cost more bytes than it saves) and
+    every schedule in ``named`` (groups: the Megatron settings), so the least is never
+    above a schedule the product can name; the lowest prediction wins (ties: the first,
+    i.e. the model's choice).
     """
     candidates = [least_feasible_peak(costs)]
     if costs.num_layers <= max_front_layers:
-        candidates += pareto_front(costs)[-front_candidates:]
+        candidates += lowest_front(costs, candidates[0], front_candidates)
     candidates.append(model_peak(costs, ()))
+    candidates += [model_peak(costs, groups) for groups in named]
     best: CheckedPlan | None = None
     for sol in candidates:
         peak = predict(sol)
@@ -71,6 +77,18 @@ def least_feasible_checked(costs: ChainCosts, predict: Predict, front_candidates
             best = CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, 0, sol.options)
     assert best is not None
     return best
+
+
+def lowest_front(costs: ChainCosts, least: Solution, n: int) -> list[Solution]:
+    """The ``n`` Pareto-front points just above ``least`` (``least_feasible_peak``), peak
+    rising and recompute falling: each the least peak under a recompute one below the
+    previous one's (``least_peak``), so a bounded number of solves."""
+    out: list[Solution] = []
+    last = least
+    while len(out) < n and last.recompute_flops > 0:
+        last = least_peak(costs, last.recompute_flops - 1)
+        out.append(last)
+    return out
 
 
 def least_recompute_checked(costs: ChainCosts, budget_bytes: int, predict: Predict,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from solvers import ChainCosts
+from solvers import ChainCosts, StackGap
 from solvers.closed_forms import ClosedForms, megatron_closed_forms
 from solvers.poly import Poly, max_value, pareto_max
 
@@ -22,10 +22,42 @@ from ..recompute import schedule as schedules
 from ..liveness.symbolic import SymbolicModel, SymbolicStep
 
 
-def regions(prof: SymbolicStep) -> tuple[dict[int, list[Poly]], dict[int, list[Poly]], list[Poly], list[Poly]]:
+def gap_boundaries(prof: SymbolicStep, stack_starts: tuple[int, ...] | list[int]) -> list[int | None]:
+    """Per step, the stack boundary an outer step lies at (None: a layer's step, or an
+    outer step not between two stacks): in forward, one past the highest layer run so
+    far; in backward, the lowest layer whose backward (or recompute) has run."""
+    out: list[int | None] = []
+    ran_fw, lowest_bw = 0, None
+    for phase, layer in zip(prof.phases, prof.layers):
+        if layer is not None:
+            if phase == "forward":
+                ran_fw = max(ran_fw, layer + 1)
+            else:
+                lowest_bw = layer if lowest_bw is None else min(lowest_bw, layer)
+            out.append(None)
+            continue
+        b = ran_fw if phase == "forward" else lowest_bw
+        out.append(b if b in stack_starts else None)
+    return out
+
+
+def stack_gap_regions(prof: SymbolicStep, stack_starts: tuple[int, ...] | list[int]
+                      ) -> dict[int, tuple[list[Poly], list[Poly]]]:
+    """Live bytes of the outer steps between two stacks: boundary -> (forward steps,
+    backward steps) (``gap_boundaries``)."""
+    out: dict[int, tuple[list[Poly], list[Poly]]] = {b: ([], []) for b in stack_starts}
+    for i, b in enumerate(gap_boundaries(prof, stack_starts)):
+        if b is not None:
+            out[b][0 if prof.phases[i] == "forward" else 1].append(prof.live[i])
+    return out
+
+
+def regions(prof: SymbolicStep, stack_starts: tuple[int, ...] | list[int] = ()
+            ) -> tuple[dict[int, list[Poly]], dict[int, list[Poly]], list[Poly], list[Poly]]:
     """Live bytes of every step grouped by region: forward and backward per layer, the
     head (outer steps between the first forward layer step and the first backward one),
-    and the rest of the outer region."""
+    and the rest of the outer region; the outer steps between two stacks
+    (``stack_gap_regions``, for boundaries in ``stack_starts``) are in neither."""
     fw: dict[int, list[Poly]] = {}
     bw: dict[int, list[Poly]] = {}
     head: list[Poly] = []
@@ -33,9 +65,12 @@ def regions(prof: SymbolicStep) -> tuple[dict[int, list[Poly]], dict[int, list[P
     first_fw = min((i for i, l in enumerate(prof.layers) if l is not None and prof.phases[i] == "forward"), default=0)
     first_bw = min((i for i, l in enumerate(prof.layers) if l is not None and prof.phases[i] == "backward"),
                    default=len(prof.layers))
+    gaps = gap_boundaries(prof, stack_starts)
     for i, (phase, layer) in enumerate(zip(prof.phases, prof.layers)):
         if layer is not None:
             (fw if phase == "forward" else bw).setdefault(layer, []).append(prof.live[i])
+        elif gaps[i] is not None:
+            continue
         elif first_fw < i < first_bw:
             head.append(prof.live[i])
         else:
@@ -74,9 +109,17 @@ def chain_polys(model: SymbolicModel) -> dict[str, Any]:
     def above(polys: list[Poly], base: Poly) -> list[Poly]:
         return pareto_max(p - base for p in polys)
 
-    n_fw, n_bw, n_head, n_outer = regions(none)
-    r_fw, r_bw, _, _ = regions(u1)
-    _, l_bw, _, _ = regions(uL)
+    starts = _stack_starts(model)[1:]
+    n_fw, n_bw, n_head, n_outer = regions(none, starts)
+    r_fw, r_bw, _, _ = regions(u1, starts)
+    _, l_bw, _, _ = regions(uL, starts)
+    # the outer steps between two stacks, above the bytes the layers below saved:
+    # without groups (none) and with groups everywhere (uniform(1))
+    n_gap, r_gap = stack_gap_regions(none, starts), stack_gap_regions(u1, starts)
+    out["stack_gaps"] = [
+        [above(n_gap[b][0] or [Poly()], prefix(none, b)), above(r_gap[b][0] or [Poly()], prefix(u1, b)),
+         above(n_gap[b][1] or [Poly()], prefix(none, b)), above(r_gap[b][1] or [Poly()], prefix(u1, b))]
+        for b in starts]
     out["stored_forward_bytes"] = [above(n_fw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
     out["stored_backward_bytes"] = [above(n_bw.get(j, [Poly()]), prefix(none, j)) for j in range(L)]
     # outer values every group reads (a mask), saved once when any group exists
@@ -134,6 +177,7 @@ def chain_costs(model: SymbolicModel, **values: int) -> ChainCosts:
         forward_flops=max_value(polys["forward_flops"][0], vals),
         shared_checkpoint_bytes=max_value(polys["shared_checkpoint_bytes"], vals),
         stack_starts=tuple(_stack_starts(model)[1:]),
+        stack_gaps=tuple(StackGap(*(max_value(ps, vals) for ps in gap)) for gap in polys["stack_gaps"]),
     )
 
 

@@ -3,8 +3,10 @@ are recomputed, combined with whole-layer recompute groups, checked by liveness.
 
 1. Layer kinds: layers whose forward ops match node for node (same ops, shapes, reads)
    are one kind; each kind is solved once.
-2. Per kind, ``solvers.oplevel.layer_front`` gives every Pareto-optimal (saved bytes,
-   recompute cost) decision of a layer, exactly (integer programs, HiGHS).
+2. Per kind, ``solvers.oplevel.solve_layer_front`` gives every Pareto-optimal (saved
+   bytes, recompute cost) decision of a layer (integer programs, HiGHS), exactly unless
+   a time bound (``SolveLimits``) stops it, which the plan then says (``OpPlan.bound``)
+   with its proven gap.
 3. Each decision becomes a chain-model option (``solvers.StoredOption``), calibrated by
    liveness: the step with every layer of the kind taking it is rewritten and profiled
    (``symbolic.profile_step``), and the layer's saved bytes and forward / backward peaks
@@ -42,8 +44,10 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.fx as fx
 
-from solvers import ChainCosts, CheckedPlan, Solution, StoredOption
-from solvers.oplevel import External, LayerDecision, LayerGraph, Unit, Value, layer_front
+from solvers import ChainCosts, CheckedPlan, Solution, StoredOption, least_feasible_peak
+from solvers.resolve import lowest_front
+from solvers.oplevel import (External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value,
+                             solve_layer_front, spread_order)
 from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
@@ -278,6 +282,9 @@ class OpPlan:
         unconstrained_peak_bytes: liveness peak with every value saved.
         solve_time_s: seconds in the solver and its checks for this budget.
         resolves: how often the model budget was tightened by the liveness check.
+        bound: what stopped the search short of the exact optimum (``OpPlanner.bound_note``);
+            None when nothing did.
+        gap_cost: the largest proven gap of a layer trade-off point (cost units).
     """
 
     budget_bytes: int
@@ -295,6 +302,8 @@ class OpPlan:
     unconstrained_peak_bytes: int
     solve_time_s: float
     resolves: int
+    bound: str | None = None
+    gap_cost: int = 0
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -314,16 +323,20 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             ``sweep.Session.report``).
         cost_model: how a recomputed op is costed (``CostModel``).
         allocator: ``cpu`` or ``cuda`` sizes for the layer programs.
+        limits: the time bounds of each kind's integer programs and front
+            (``solvers.oplevel.SolveLimits``; default its defaults).
 
     Attributes:
-        kinds: the layer kinds; fronts: each kind's trade-off (``layer_front``).
+        kinds: the layer kinds; fronts: each kind's trade-off points;
+            layer_fronts: how each was found (``solvers.oplevel.LayerFront``: its proven
+            gap, whether a bound cut it).
         costs: the chain model with one option per trade-off point.
         unconstrained_peak_bytes: liveness peak with every value saved.
         prepare_s: seconds spent building all of it.
     """
 
     def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Partition], MemoryReport],
-                 cost_model: CostModel = CostModel(), allocator: str = "cpu"):
+                 cost_model: CostModel = CostModel(), allocator: str = "cpu", limits: SolveLimits | None = None):
         t0 = time.perf_counter()
         self.joint, self.stack, self.cost_model = joint, stack, cost_model
         timed = time_forward_ops(joint, stack) if cost_model.timed else None
@@ -331,11 +344,19 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             (lambda n: timed.get(n.name.removesuffix("_recompute"), 0)) if timed is not None
             else (lambda n: roofline_cost(n, cost_model.flops_per_byte)))
         self.kinds = layer_kinds(joint, stack, self.cost_of, allocator)
-        self.fronts = [layer_front(k.graph) for k in self.kinds]
+        self.limits = limits if limits is not None else SolveLimits()
+        self.layer_fronts: list[LayerFront] = [solve_layer_front(k.graph, self.limits) for k in self.kinds]
+        self.fronts = [list(f.points) for f in self.layer_fronts]
         self.kind_of = {layer: i for i, k in enumerate(self.kinds) for layer in k.layers}
         self.model = SymbolicModel.from_joint(joint, stack)
         self._conv = SizeConverter(self.model.joint)
         super().__init__(self._chain_costs(), self.partition, predict)
+        self.name_schedules(stack.layers_per_stack)
+        # the layer level's lowest answers (whole layers only), so the op level's least
+        # is never above the layer level's
+        whole = dataclasses.replace(self.costs, stored_options=())
+        low = least_feasible_peak(whole)
+        self.named_groups += tuple(s.groups for s in [low, *lowest_front(whole, low, 3)])
         self.unconstrained_peak_bytes = self.solution_report(Solution((), 0, 0)).peak_bytes
         self.prepare_s = time.perf_counter() - t0
 
@@ -364,38 +385,50 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         A layer's option changes its own terms (saved bytes, forward and backward peaks
         above the layers below, recompute cost) by the same amount in every layer of
         its kind, so one profile measures as many points as the kind has layers: in
-        profile r, the kind's j-th layer takes point ``r * m + j`` (m layers; points
-        past the end wrap around), and each point's change from storing the layer whole
-        (``none``) is added to every layer's own ``none`` terms.
+        profile r, the kind's j-th layer takes the ``r * m + j``-th point of
+        ``solvers.oplevel.spread_order`` (m layers; past the end it wraps around), and
+        each point's change from storing the layer whole (``none``) is added to every
+        layer's own ``none`` terms. Past ``limits.calibrate_time_s`` the profiles stop
+        and the points not calibrated are left out of ``fronts`` (``calibrated_points``).
         """
-        L = self.stack.num_layers
+        L, per_stack = self.stack.num_layers, self.stack.layers_per_stack
         base = chain_costs(self.model)
-        last = self._step_costs(schedules.uniform(1, L))[3]
-        member = self._step_costs(schedules.uniform(L, L))[3]
-        stored = self._step_costs(schedules.none(L))
+        last = self._step_costs(schedules.uniform(1, per_stack))[3]
+        member = self._step_costs(schedules.uniform(max(per_stack), per_stack))[3]
+        stored = self._step_costs(schedules.none(per_stack))
         change: list[dict[int, tuple[int, int, int, int]]] = [{} for _ in self.kinds]
         rounds = max(-(-len(f) // len(k.layers)) for k, f in zip(self.kinds, self.fronts) if f) if any(self.fronts) else 0
+        order = [spread_order(len(f)) for f in self.fronts]
+        t0 = time.perf_counter()
         for r in range(rounds):
+            if r and time.perf_counter() - t0 > self.limits.calibrate_time_s:
+                break
             names: set[str] = set()
             point_of: dict[int, int] = {}
             for ki, (kind, front) in enumerate(zip(self.kinds, self.fronts)):
                 for j, layer in enumerate(kind.layers):
                     if front:
-                        point_of[layer] = (r * len(kind.layers) + j) % len(front)
+                        point_of[layer] = order[ki][(r * len(kind.layers) + j) % len(front)]
                         names |= kind.recomputable_in(layer, front[point_of[layer]])
             terms = self._step_costs(op_level_partition(
                 self.model.joint, self.stack, OpLevelChoice(POLICY, frozenset(names))))
             for layer, t in point_of.items():
                 change[self.kind_of[layer]].setdefault(t, tuple(terms[f][layer] - stored[f][layer] for f in range(4)))
+        kept = [sorted(c) for c in change]
+        self.calibrated_points = [(len(k), len(f)) for k, f in zip(kept, self.fronts)]
+        self.fronts = [[front[t] for t in k] for k, front in zip(kept, self.fronts)]
         options = []
         for i in range(L):
-            ki = self.kind_of[i]
+            ki = self.kind_of.get(i)
+            if ki is None:  # a layer with no forward op (never called): nothing to trade
+                options.append(())
+                continue
             options.append(tuple(
                 StoredOption(*(stored[f][i] + change[ki][t][f] for f in range(4)), f"{POLICY}[{t}]")
-                for t in range(len(self.fronts[ki]))))
+                for t in kept[ki]))
         return dataclasses.replace(
             base, last_recompute_flops=tuple(last[i] for i in range(L)),
-            member_recompute_flops=tuple(member[i] if i < L - 1 else 0 for i in range(L)),
+            member_recompute_flops=tuple(member[i] if i + 1 < base.stack_end(i) else 0 for i in range(L)),
             stored_options=tuple(options))
 
     # -- from a chain solution to a Partition, predicted
@@ -409,8 +442,33 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
                 kind = self.kinds[self.kind_of[layer]]
                 decision = self.fronts[self.kind_of[layer]][option - 1]
                 names |= kind.recomputable_in(layer, decision)
-        schedule = schedules.optimized(sol.groups, L) if sol.groups else None
+        schedule = schedules.optimized(sol.groups, self.stack.layers_per_stack) if sol.groups else None
         return op_level_partition(self.joint, self.stack, OpLevelChoice(POLICY, frozenset(names)), schedule)
+
+    @property
+    def front_gap_cost(self) -> int:
+        """The largest proven gap of a trade-off point (cost units; 0: all optimal)."""
+        return max((f.gap_cost for f in self.layer_fronts), default=0)
+
+    def bound_note(self) -> str | None:
+        """What stopped the search short of the exact optimum, or None when nothing did:
+        the kinds whose front a time bound cut, and the proven gap."""
+        cut = [k for k, f in zip(self.kinds, self.layer_fronts) if not f.complete]
+        uncalibrated = [(k, n) for k, n in zip(self.kinds, self.calibrated_points) if n[0] < n[1]]
+        if not cut and not self.front_gap_cost and not uncalibrated:
+            return None
+        parts = []
+        if uncalibrated:
+            parts.append(f"calibration stopped after {self.limits.calibrate_time_s:g} s: "
+                         + ", ".join(f"layers {list(k.layers)} {a} of {b} trade-off points" for k, (a, b) in uncalibrated))
+        if cut:
+            parts.append(f"the trade-off of {len(cut)} layer kind(s) (layers "
+                         f"{', '.join(str(k.layers[0]) for k in cut)}) was cut after "
+                         f"{self.limits.front_time_s:g} s (its least-bytes end kept)")
+        if self.front_gap_cost:
+            parts.append(f"HiGHS stopped at its time limit ({self.limits.program_time_s:g} s per program) "
+                         f"with a proven gap of {self.front_gap_cost} cost units")
+        return "; ".join(parts)
 
     def least_feasible(self) -> CheckedPlan:
         """The choice of least liveness peak the planner finds (``solvers.resolve``)."""
@@ -428,7 +486,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             saved_nodes=len(part.saved), recomputed_nodes=len(part.recomputed_names),
             least_feasible_peak_bytes=answer.least.predicted_peak_bytes,
             unconstrained_peak_bytes=self.unconstrained_peak_bytes, solve_time_s=answer.solve_time_s,
-            resolves=checked.resolves)
+            resolves=checked.resolves, bound=self.bound_note(), gap_cost=self.front_gap_cost)
 
     def _cost(self, plan: OpPlan) -> int:
         return plan.recompute_cost

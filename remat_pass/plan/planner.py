@@ -22,7 +22,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from solvers import ChainCosts, CheckedPlan, Solution, least_feasible_checked, least_recompute_checked
+from solvers import ChainCosts, CheckedPlan, Solution, least_feasible_checked, least_recompute_checked, model_peak
 
 from ..recompute import schedule as schedules
 from ..errors import InvalidSchedule
@@ -98,6 +98,7 @@ class ChainPlanner(Generic[D, P]):
         self._predict = predict
         self._solution_reports: dict[tuple, MemoryReport] = {}
         self._least: CheckedPlan | None = None
+        self.named_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def solution_report(self, sol: Solution) -> MemoryReport:
         """Liveness report of ``sol``'s decision (cached by its groups and options)."""
@@ -112,8 +113,28 @@ class ChainPlanner(Generic[D, P]):
     def least_feasible_checked(self) -> CheckedPlan:
         """The answer of least liveness peak found (``solvers.least_feasible_checked``)."""
         if self._least is None:
-            self._least = least_feasible_checked(self.costs, self._peak_of)
+            self._least = least_feasible_checked(self.costs, self._peak_of, named=self.named_groups)
         return self._least
+
+    def name_schedules(self, layers_per_stack: Sequence[int], max_layers: int = 32) -> None:
+        """Check every answer against the distinct Megatron-LM settings of these stacks
+        (``schedule.distinct_megatron_schedules``): the least feasible peak is never above
+        one of theirs, and no plan costs more than one that fits its budget. Skipped for
+        more than ``max_layers`` layers (each is a liveness analysis)."""
+        if sum(layers_per_stack) <= max_layers:
+            self.named_groups = tuple(s.groups for s in schedules.distinct_megatron_schedules(tuple(layers_per_stack)))
+
+    def _cheaper_named(self, checked: CheckedPlan, budget_bytes: int) -> CheckedPlan:
+        """``checked``, or the cheapest named schedule (``name_schedules``) of lower chain
+        recompute whose liveness peak fits ``budget_bytes``."""
+        named = sorted((model_peak(self.costs, g) for g in self.named_groups), key=lambda s: s.recompute_flops)
+        for sol in named:
+            if sol.recompute_flops >= checked.recompute_flops:
+                break
+            peak = self._peak_of(sol)
+            if peak <= budget_bytes:
+                return CheckedPlan(sol.groups, sol.peak_bytes, peak, sol.recompute_flops, checked.resolves)
+        return checked
 
     def answer(self, budget: int | str, max_resolves: int = 20) -> ChainAnswer[D]:
         """The least-recompute answer whose liveness peak is <= ``budget``
@@ -132,6 +153,7 @@ class ChainPlanner(Generic[D, P]):
         least = self.least_feasible_checked()
         t0 = time.perf_counter()
         checked = least_recompute_checked(self.costs, budget_bytes, self._peak_of, least, max_resolves)
+        checked = self._cheaper_named(checked, budget_bytes)
         solve_s = time.perf_counter() - t0
         return ChainAnswer(budget_bytes, checked, self.decision(checked.solution),
                            self.solution_report(checked.solution), least, solve_s)
@@ -249,6 +271,7 @@ class Planner(ChainPlanner[Schedule, Plan]):
         self._schedule_predict = predict
         self._reports: dict[Schedule, MemoryReport] = {}
         super().__init__(costs, self._schedule, self.report)
+        self.name_schedules(self.model.layers_per_stack)
         self.unconstrained_peak_bytes = self.report(schedules.none(self.model.layers_per_stack)).peak_bytes
 
     def report(self, schedule: Schedule) -> MemoryReport:

@@ -205,12 +205,13 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
         f"recompute          {p.recompute_flops} FLOPs ({fmt_flops(p.recompute_flops)}), "
         f"{p.recompute_bytes_moved} bytes moved "
         f"(cost {p.recompute_cost} in the cost model's unit)",
-        f"gradients          {'bitwise equal' if result.grads_equal else 'DIFFER'} to the un-rewritten step",
+        f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the un-rewritten step",
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)})",
         f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
         f"layer kinds        {fronts}",
         f"solve time         {1000 * p.solve_time_s:.1f} ms ({p.resolves} re-solves; layer programs and "
         f"calibration {planner.prepare_s:.2f} s; total {total_s:.1f} s)",
+        f"search             {'exact' if p.bound is None else 'bounded: ' + p.bound}",
     ]
     return "\n".join(lines)
 
@@ -239,7 +240,10 @@ def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
         "recompute_cost": p.recompute_cost,
         "forward_flops": p.forward_flops,
         "grads_equal": result.grads_equal,
+        "grads_within_run_to_run": result.grads_within_run_to_run,
         "least_feasible_peak_bytes": p.least_feasible_peak_bytes,
         "unconstrained_peak_bytes": p.unconstrained_peak_bytes,
         "solve_time_s": p.solve_time_s,
+        "search_bound": p.bound,
+        "proven_gap_cost": p.gap_cost,
     }

@@ -117,3 +117,32 @@ def test_choices_that_fit_are_kept_unless_the_granularity_starts_from_the_least(
         plan = plan_step([g], _step_peak([g]), 60)
         assert plan.feasible and plan.choices == {"g": 0}
         assert ("least" in g.calls) == start_from_least
+
+
+def test_named_schedules_bound_the_least_and_the_cost():
+    """Where the chain model over-states one Megatron setting (its predictor says
+    uniform(K=1) peaks lowest of all), the least feasible peak is that setting's, and a
+    budget it fits is never planned costlier than it."""
+    from remat_pass.recompute.schedule import uniform
+
+    costs = random_costs(6, seed=5)
+    u1 = uniform(1, 6).groups
+    model_least = model_peak(costs, least_feasible_checked(costs, lambda s: model_peak(costs, s.groups).peak_bytes)
+                             .groups).peak_bytes
+
+    def predict(decision):
+        peak = model_peak(costs, *decision).peak_bytes
+        return types.SimpleNamespace(peak_bytes=model_least - 5 if decision[0] == u1 else peak)
+
+    planner = ChainPlanner(costs, lambda sol: (sol.groups, sol.options), predict)
+    planner.name_schedules((6,))
+    least = planner.least_feasible_checked()
+    assert least.groups == u1 and least.predicted_peak_bytes == model_least - 5
+    answer = planner.plan(model_least - 5)
+    assert answer.checked.groups == u1 and answer.predicted_peak_bytes <= model_least - 5
+    # a budget where the model's own answer fits: never costlier than uniform(K=1)
+    top = model_peak(costs, ()).peak_bytes
+    for budget in (model_least, (model_least + top) // 2):
+        a = planner.plan(budget)
+        assert a.checked.recompute_flops <= model_peak(costs, u1).recompute_flops
+        assert a.predicted_peak_bytes <= budget

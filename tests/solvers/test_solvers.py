@@ -5,6 +5,7 @@ optimized schedule beats uniform/block, and the peak never rises as the budget f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -12,7 +13,7 @@ import pytest
 
 import chain_oracle
 from chain_cases import all_groupings, random_costs
-from remat_pass.errors import InfeasibleBudget
+from remat_pass.errors import InfeasibleBudget, RematError
 from solvers import (
     ChainCosts,
     least_feasible_checked,
@@ -24,7 +25,9 @@ from solvers import (
     model_peak,
     pareto_front,
 )
-from solvers.oplevel import External, LayerGraph, Unit, Value, brute_force_front, evaluate, layer_front
+from solvers.chain import StackGap
+from solvers.oplevel import (External, LayerGraph, SolveLimits, Unit, Value, brute_force_front, evaluate, layer_front,
+                             quiet_stdout, solve_layer_front)
 
 
 def every_schedule(c: ChainCosts) -> list:
@@ -63,6 +66,33 @@ def test_dynamic_program_is_exact(L, seed, options):
     for p in pareto_front(c):
         assert not any(s.peak_bytes < p.peak_bytes and s.recompute_flops < p.recompute_flops for s in every)
 
+
+
+@pytest.mark.parametrize("L,starts,seed,options", [(4, (2,), 31, 0), (5, (2, 4), 32, 1), (6, (3,), 33, 2),
+                                                   (6, (1, 3), 34, 0)])
+def test_dynamic_program_is_exact_over_stacks_with_gaps(L, starts, seed, options):
+    """Several stacks with the outer steps between them (``StackGap``, large enough to
+    bind): the least recompute at each budget and the least feasible peak equal brute
+    force over every schedule whose groups stay inside a stack."""
+    r = random.Random(seed)
+    gaps = tuple(StackGap(r.randint(0, 300), r.randint(0, 300), r.randint(100, 600), r.randint(0, 400))
+                 for _ in starts)
+    c = dataclasses.replace(random_costs(L, seed, options), stack_starts=starts, stack_gaps=gaps)
+    every = []
+    for groups in all_groupings(L):
+        if any(b in g[1:] for g in groups for b in starts):
+            continue
+        inside = {i for g in groups for i in g}
+        choices = [range(len(c.options(i))) if i not in inside else [0] for i in range(L)]
+        every += [model_peak(c, groups, combo) for combo in itertools.product(*choices)]
+    least = min(s.peak_bytes for s in every)
+    assert least_feasible_peak(c).peak_bytes == least
+    with_gaps_binding = dataclasses.replace(c, stack_gaps=())
+    assert any(model_peak(with_gaps_binding, s.groups, s.options).peak_bytes < s.peak_bytes for s in every)
+    for budget in sorted({least, least + 11, (least + max(s.peak_bytes for s in every)) // 2}):
+        sol = least_recompute(c, budget)
+        assert sol.recompute_flops == min(s.recompute_flops for s in every if s.peak_bytes <= budget)
+        assert model_peak(c, sol.groups, sol.options) == sol
 
 
 @pytest.mark.parametrize("L,seed,options,offset", [(4, 21, 0, 37), (5, 22, 1, -23), (5, 23, 2, 0), (6, 24, 0, 150)])
@@ -168,6 +198,45 @@ def test_layer_front_matches_brute_force(seed):
     for d in front:
         assert evaluate(g, d.recomputed) == d
     assert front[0].recompute_cost == 0  # recomputing nothing is always possible
+
+
+def test_solver_output_never_reaches_stdout(capfd):
+    """HiGHS prints from C past Python's sys.stdout; everything written to file
+    descriptor 1 while a layer's programs run is caught (and logged at DEBUG)."""
+    import ctypes
+    import os
+
+    with quiet_stdout():
+        ctypes.CDLL(None).printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(1, b"raw\n")
+    front = solve_layer_front(random_layer(3, 11))
+    out = capfd.readouterr().out
+    assert out == "" and front.exact, out
+
+
+def test_front_cut_by_its_time_bound_keeps_the_least_bytes_and_says_so():
+    """With no time for the front, the enumeration stops after its first point and the
+    least-bytes decision is solved once: the front still spans recomputing nothing to
+    the layer's least saved bytes, every point valid, and it says it is not complete."""
+    for seed in range(4):
+        g = random_layer(seed, 10)
+        exact = brute_force_front(g)
+        cut = solve_layer_front(g, SolveLimits(front_time_s=0))
+        assert not cut.complete and not cut.exact
+        assert cut.points[0].recompute_cost == 0
+        assert cut.points[-1].saved_bytes == exact[-1].saved_bytes
+        assert all(evaluate(g, d.recomputed) == d for d in cut.points)
+        assert all(b.saved_bytes < a.saved_bytes and b.recompute_cost > a.recompute_cost
+                   for a, b in zip(cut.points, cut.points[1:]))
+        full = solve_layer_front(g)
+        assert full.exact and [(d.saved_bytes, d.recompute_cost) for d in full.points] == [
+            (d.saved_bytes, d.recompute_cost) for d in exact]
+
+
+@pytest.mark.parametrize("bad", [{"program_time_s": -1}, {"mip_rel_gap": float("nan")}, {"max_points": 1}])
+def test_solve_limits_refuse_bad_values(bad):
+    with pytest.raises(RematError, match="SolveLimits"):
+        SolveLimits(**bad)
 
 
 def test_negative_recompute_budget():
