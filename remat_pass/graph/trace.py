@@ -30,7 +30,7 @@ from .data_scalars import LOCAL_SCALAR, capture_specialized, error_line
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
-from .trace_context import constant_values_mode, functional_collectives
+from .trace_context import constant_values_mode, eager_semantics
 from .untraceable import explain_untraceable, known_trace_error, quiet_fake_tensor_log
 
 
@@ -413,7 +413,7 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         fake_mode: the mode of fake ``trace_values`` for a concrete trace (default:
             ``trace_context.constant_values_mode``, small constants' values known).
 
-    Collectives are traced as functional ones (``trace_context.functional_collectives``).
+    Collectives are traced as functional ones, no-op dropout as eager's (``trace_context.eager_semantics``).
 
     Raises:
         UnsupportedGraph: the step depends on tensor values, or AOTAutograd cannot
@@ -432,7 +432,7 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
         context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
-        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log(), functional_collectives():
+        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log(), eager_semantics():
             compiled(*trace_values)
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs

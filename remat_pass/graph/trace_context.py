@@ -25,6 +25,13 @@ While tracing they are the functional collectives Dynamo maps them to
 collective, ``wait_tensor``, and a copy into the tensor, so the graph has no token and
 the collectives are the ones ``graph.costs.collective_rule`` models. Asynchronous calls
 (``async_op=True``) are left as they are.
+
+**No-op dropout** (``eager_no_op_dropout``). Eager ``at::dropout`` returns its input
+itself when ``p == 0`` or not training (``_dropout`` in ATen's ``Dropout.cpp``), but the
+decomposition AOTAutograd traces (``torch/_decomp/decompositions.py``, ``dropout``)
+returns ``input.clone()``: one more activation per call, kept for backward when it is
+saved (Megatron's attention dropout at p = 0: b x heads x s^2 x 4 bytes per layer).
+While tracing, such a call returns its input, as eager does, so the graph holds no copy.
 """
 
 from __future__ import annotations
@@ -137,3 +144,38 @@ def functional_collectives() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+class _EagerNoOpDropout(torch.overrides.TorchFunctionMode):
+    """``F.dropout`` / ``torch.dropout`` (and the feature / alpha variants) at p = 0 or
+    out of training return their input, as eager ATen does; every other call runs."""
+
+    NAMES = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self.NAMES and getattr(func, "__module__", "") in (
+                "torch", "torch._C._VariableFunctions", "torch.nn.functional", None) and args:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            train = kwargs.get("train", kwargs.get("training", args[2] if len(args) > 2 else True))
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if isinstance(p, (int, float)) and (p == 0 or not train) and not inplace:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eager_no_op_dropout() -> Iterator[None]:
+    """While active, dropout that eager runs as a no-op (p = 0, or not training)
+    returns its input instead of AOTAutograd's ``clone`` (see the module docstring)."""
+    with _EagerNoOpDropout():
+        yield
+
+
+@contextlib.contextmanager
+def eager_semantics() -> Iterator[None]:
+    """What ``capture_joint`` traces under: ``functional_collectives`` and
+    ``eager_no_op_dropout``."""
+    with functional_collectives(), eager_no_op_dropout():
+        yield
+

@@ -102,3 +102,46 @@ def test_a_step_with_an_all_reduce_sweeps_exactly(gloo_world_of_one):
         for _ in range(3):  # the measured free of the reduced tensor is not left to gloo's thread
             r = session.evaluate(schedule)
             assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, schedule.provenance
+
+
+class _Block(nn.Module):
+    def __init__(self, drop: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.drop(self.lin(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, drop: type[nn.Module] | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(nn.Dropout(0.0) if drop else nn.Identity()) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_dropout_at_p0_adds_no_bytes():
+    """Eager dropout at p = 0 returns its input; AOTAutograd's decomposition cloned it
+    (one more saved activation per layer). Now the step with nn.Dropout(0.0) is the step
+    without it, byte for byte, predicted == measured, gradients bitwise equal."""
+    from remat_pass.recompute import schedule
+
+    torch.manual_seed(0)
+    with_dropout = _Stack(nn.Dropout)
+    without = _Stack(None)
+    without.load_state_dict(with_dropout.state_dict())
+    x = torch.randn(64, 16)
+    joint = trace_joint(with_dropout, (x,))
+    assert not [n for n in joint.gm.graph.nodes if n.target == torch.ops.aten.clone.default]
+    results = []
+    for model in (with_dropout, without):
+        session = Session.create(model, (x,), None)
+        results.append([session.evaluate(s) for s in (schedule.none(3), schedule.uniform(1, 3))])
+    for a, b in zip(*results):
+        assert a.predicted_peak_bytes == b.predicted_peak_bytes == a.measured_peak_bytes
+        assert a.grads_equal
