@@ -31,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+sys.path.insert(0, str(ROOT))  # this checkout's remat_pass
 
 from remat_pass.memory.calibration import CACHE_ENV  # noqa: E402
 from remat_pass.errors import RematError  # noqa: E402
