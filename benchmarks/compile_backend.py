@@ -39,16 +39,21 @@ import time
 import warnings
 from typing import Any, Callable
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import remat_pass
-from remat_pass.errors import InfeasibleBudget
-from remat_pass.formatting import text_table
-from remat_pass.measure.run import profiled_peak_cpu
-from remat_pass.models import gpt2, tiny_gpt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's remat_pass
+
+import remat_pass  # noqa: E402
+from remat_pass.errors import InfeasibleBudget, RematError  # noqa: E402
+from remat_pass.formatting import text_table  # noqa: E402
+from remat_pass.measure.run import profiled_peak_cpu  # noqa: E402
+from remat_pass.models import gpt2, tiny_gpt  # noqa: E402
 
 MIB = 2**20
 
@@ -153,10 +158,47 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The batch sizes; every list option checked first (``ap.error``: exit 2, one line)
+    so that a typo fails before minutes of compiling, not after."""
+    def ints(text: str, what: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            ap.error(f"{what}={text!r}: comma-separated positive integers expected")
+        if min(values) < 1:
+            ap.error(f"{what}={text!r}: comma-separated positive integers expected")
+        return values
+
+    for name in args.models.split(","):
+        if name not in ("gpt2", "tiny"):
+            ap.error(f"--models: {name!r} is not one of gpt2, tiny")
+    for compiler in args.compilers.split(","):
+        for spec in args.schedules.split(","):
+            method, _, k = spec.partition(":")
+            try:  # the backend's own checks of its options (remat_pass.compile.options)
+                if spec != "optimized":
+                    remat_pass.backend(method, int(k) if k else None, compiler=compiler)
+            except (ValueError, RematError) as e:
+                ap.error(f"--compilers {compiler} --schedules {spec}: {e}")
+    try:
+        [float(x) for x in args.budget_fractions.split(",")]
+        [float(x.split(":", 1)[1]) for x in args.references.split(",") if x.startswith("budget:")]
+    except (ValueError, IndexError):
+        ap.error("--budget-fractions / --references budget:F: F must be numbers")
+    for spec in args.references.split(","):
+        if spec != "checkpoint" and not spec.startswith("budget:"):
+            ap.error(f"--references: {spec!r} is not budget:F or checkpoint")
+    if args.repeats < 1 or args.threads < 1:
+        ap.error("--repeats and --threads must be at least 1")
+    return ints(args.batches, "--batches")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    batches = _check(ap, args)
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         rows += _model_rows(args, name, batches)

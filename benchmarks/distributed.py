@@ -132,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, metavar="N",
                     help="measured steps per setting and rank, instead of each configuration's own (1-5)")
     args = ap.parse_args(argv)
+    names = [case.config.name for case in CASES]
+    unknown = [n for n in args.only or () if n not in names]
+    if unknown:
+        ap.error(f"--only: no configuration named {', '.join(unknown)}; the names are: {', '.join(names)}")
+    if args.repeats is not None and args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1 measured step")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs CUDA, and this PyTorch sees no CUDA device")
     torch.set_num_threads(1)
     rows, failures = [], []
     for case in CASES:

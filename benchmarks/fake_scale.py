@@ -129,14 +129,20 @@ def print_figures(w, args: argparse.Namespace, out: dict, plan) -> None:  # noqa
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out: dict = {"config": args.config, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
                  "target": args.target, "rss_start_bytes": rss_bytes()}
     w0, c0 = time.perf_counter(), time.process_time()
-    w = load_workload(WorkloadOptions(config=args.config, meta=True, dtype=args.dtype, target=args.target,
-                                      batch=args.batch, seq=args.seq, optimizer=args.optimizer,
-                                      master_weights=args.master_weights, device_memory=args.device_memory))
+    try:  # a missing config or a bad option: one line, exit 2
+        w = load_workload(WorkloadOptions(config=args.config, meta=True, dtype=args.dtype, target=args.target,
+                                          batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                                          master_weights=args.master_weights, device_memory=args.device_memory))
+    except OSError as e:
+        ap.error(f"--config {args.config}: {e.strerror}")
+    except (RematError, ValueError) as e:  # the optimizer name is checked with a plain ValueError
+        ap.error(str(e))
     out["trace_wall_s"], out["trace_cpu_s"] = time.perf_counter() - w0, time.process_time() - c0
     w1, c1 = time.perf_counter(), time.process_time()
     todo, shown = schedules.megatron_schedules(w.num_layers), shown_schedules(w.num_layers)

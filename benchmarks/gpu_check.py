@@ -19,8 +19,10 @@ split at 512 bytes and the 512-byte rounding of the prediction is exact
 GPU's compute capability and cuDNN version are read from the device. The goal is
 |predicted - measured| <= 0.5 % of measured.
 
-On a machine without a GPU (``--device cpu``, what CI runs) the same rows compare the
-CPU target's prediction with the CPU measurement, and also check that the fake trace
+``--device auto`` (the default) is ``cuda``: without a CUDA device the script exits 2
+with one line saying so (it used to fall back to a full-size CPU run). With
+``--device cpu`` (what CI runs, with ``--quick``) the same rows compare the CPU target's
+prediction with the CPU measurement, and also check that the fake trace
 (no weights) predicts the same bytes as the real one. Exit 1 when a gradient differs or
 a fake prediction differs from the real one.
 """
@@ -146,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = p.parse_args(argv)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = "cuda" if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: --device cuda, but this PyTorch sees no CUDA device", file=sys.stderr)
+        print(f"gpu_check: --device {args.device} needs CUDA, and this PyTorch ({torch.__version__}) sees no CUDA "
+              "device; --device cpu [--quick] runs the CPU comparison instead", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     size = "quick" if args.quick else "full"

@@ -2,9 +2,18 @@
 
 ``hetero_gpt`` builds a small GPT whose ``blocks`` hold one class, ``MixedBlock``, with
 different MLP widths and with or without attention, so the layers' costs differ.
+
+It is a module (``benchmarks/optimized_schedule.py`` imports it); run alone it prints the
+stack it builds, one line per layer (attention or not, MLP ratio, parameters) and the
+loss of one forward:
+
+    python benchmarks/hetero.py [--layers 6] [--batch 4] [--seq 32]
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
 
 import torch
 import torch.nn as nn
@@ -74,3 +83,26 @@ def hetero_gpt(batch: int = 4, seq: int = 32, layers: int | None = None, hidden:
 
 
 SYMBOLS = {"batch": [(0, 0), (1, 0)], "seq": [(0, 1), (1, 1)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the stack ``hetero_gpt`` builds (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=len(DEFAULT_KINDS), help="default: %(default)s")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
+    args = ap.parse_args(argv)
+    if min(args.layers, args.batch, args.seq) < 1 or args.seq > 512:
+        ap.error("--layers, --batch and --seq must be at least 1, --seq at most 512 (the position table)")
+    model, (ids, targets), _ = hetero_gpt(batch=args.batch, seq=args.seq, layers=args.layers)
+    for i, block in enumerate(model.blocks):
+        n = sum(p.numel() for p in block.parameters())
+        print(f"layer {i}: attention {'yes' if block.attention else 'no '}, "
+              f"MLP {block.fc.out_features // block.fc.in_features}x, {n} parameters")
+    with torch.no_grad():
+        print(f"loss of one forward (batch {args.batch}, seq {args.seq}): {model(ids, targets).item():.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

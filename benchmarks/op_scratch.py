@@ -31,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+sys.path.insert(0, str(ROOT))  # this checkout's remat_pass
 
 from remat_pass.memory.calibration import CACHE_ENV  # noqa: E402
 from remat_pass.errors import RematError  # noqa: E402
@@ -54,7 +55,7 @@ def zoo_models() -> list[tuple[str, object, str | None]]:
 
     out = []
     for e in ZOO:
-        if e.refusal is not None and e.refusal.required:
+        if e.refusal is not None:  # the pass refuses it: nothing to sweep
             continue
         if any(not _importable(m) for m in e.requires):
             continue
@@ -116,6 +117,10 @@ def main() -> None:
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="remat-op-memory-")
     models = zoo_models() + shipped(args.gpt2)
     if args.only:
+        unknown = sorted(set(args.only) - {m[0] for m in models})
+        if unknown:
+            parser.error(f"--only: no model named {', '.join(map(repr, unknown))}; the names are: "
+                         + ", ".join(repr(m[0]) for m in models))
         models = [m for m in models if m[0] in args.only]
     rows: list[dict] = []
     t0 = time.perf_counter()

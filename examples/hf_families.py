@@ -16,15 +16,18 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from remat_pass.errors import RematError
-from remat_pass.formatting import markdown_table
-from remat_pass.models.hf_families import FAMILIES
-from remat_pass.plan.planner import Planner
-from remat_pass.recompute.schedule import distinct_megatron_schedules
-from remat_pass.evaluate.session import Session
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's remat_pass
+
+from remat_pass.errors import RematError  # noqa: E402
+from remat_pass.formatting import markdown_table  # noqa: E402
+from remat_pass.models.hf_families import FAMILIES  # noqa: E402
+from remat_pass.plan.planner import Planner  # noqa: E402
+from remat_pass.recompute.schedule import distinct_megatron_schedules  # noqa: E402
+from remat_pass.evaluate.session import Session  # noqa: E402
 
 
 def sweep_family(name: str, layers: int) -> dict:
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeatable; default: all")
     ap.add_argument("--json", metavar="PATH", help="write every row as JSON")
     args = ap.parse_args(argv)
+    if args.layers < 2 or args.threads < 1:  # one layer is no stack (Session.create finds none)
+        ap.error(f"--layers must be at least 2 and --threads at least 1 (got {args.layers}, {args.threads})")
     torch.set_num_threads(args.threads)
     results, failures = [], []
     for name in args.family or list(FAMILIES):

@@ -19,10 +19,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from remat_pass.models import DEFAULT_BATCH, DEFAULT_LAYERS, DEFAULT_SEQ, gpt2
-from remat_pass.formatting import markdown_table, mib
-from remat_pass.report.schedule_report import where
-from remat_pass.evaluate.session import Session, megatron_schedules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's remat_pass
+
+from remat_pass.models import DEFAULT_BATCH, DEFAULT_LAYERS, DEFAULT_SEQ, gpt2  # noqa: E402
+from remat_pass.formatting import markdown_table, mib  # noqa: E402
+from remat_pass.report.schedule_report import where  # noqa: E402
+from remat_pass.evaluate.session import Session, megatron_schedules  # noqa: E402
+from remat_pass.errors import RematError  # noqa: E402
 
 KIND_ORDER = ("saved", "recompute", "forward", "backward", "gradient", "output")
 
@@ -220,9 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
     ap.add_argument("--out", default=str(Path(__file__).with_name("recompute_num_layers.md")))
     args = ap.parse_args(argv)
+    if args.batch < 1 or args.seq < 1 or args.layers < 2:  # one layer is no stack (Session.create finds none)
+        ap.error(f"--batch and --seq must be at least 1, --layers at least 2 "
+                 f"(got {args.batch}, {args.seq}, {args.layers})")
+    if not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: no such folder {Path(args.out).resolve().parent}")
 
     model, inputs, loss_fn = gpt2(batch=args.batch, seq=args.seq, layers=args.layers)
-    session = Session.create(model, inputs, loss_fn)
+    try:
+        session = Session.create(model, inputs, loss_fn)
+    except RematError as e:
+        ap.error(f"{type(e).__name__}: {e}")
     rows, results, reports = sweep(session)
     f = figures(session.stack.num_layers, results, reports)
     lines = [*table_section(args, f, rows), *uniform_section(f), *block_section(f), *none_section(f),

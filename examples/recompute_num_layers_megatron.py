@@ -57,7 +57,7 @@ def stage_section(config: str, rank: int, rows: list[dict]) -> tuple[list[str], 
 def render(data: dict) -> str:
     rows = [r for r in data["rows"] if r["config"].startswith("pp")]
     if not rows:
-        raise SystemExit("no pipeline rows in the JSON (run benchmarks/distributed.py with pp configurations)")
+        raise ValueError("no pipeline rows in the JSON (run benchmarks/distributed.py with pp configurations)")
     out = ["# `--recompute-num-layers` under pipeline parallelism (measured on gloo)", "",
            "Written by `examples/recompute_num_layers_megatron.py` from the JSON of `benchmarks/distributed.py` "
            f"(device: {data.get('device', 'cpu')}). Model: `remat_pass.models:tiny_llama` (hidden 64, 4 heads, "
@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", help="JSON written by benchmarks/distributed.py --json")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
-    text = render(json.loads(Path(args.json).read_text(encoding="utf-8")))
+    try:
+        text = render(json.loads(Path(args.json).read_text(encoding="utf-8")))
+    except OSError as e:
+        ap.error(f"cannot read {args.json}: {e.strerror}")
+    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        ap.error(f"{args.json} is not the JSON of benchmarks/distributed.py --json: {e}")
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
