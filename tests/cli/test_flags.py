@@ -158,9 +158,13 @@ def test_a_real_sigint_during_a_sweep(tmp_path):
     import signal
 
     out = tmp_path / "sweep.json"
+    # a run started in the background (`cmd &` in a script, as CI may be) inherits SIGINT
+    # ignored, and Python then keeps it ignored: the child gets the default disposition,
+    # as a program started from a terminal has
     proc = subprocess.Popen([sys.executable, "-m", "remat_pass", "sweep", "--model", "remat_pass.models:tiny_gpt",
                              "--layers", "4", "--no-calibrate", "--json", str(out)],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         for line in proc.stderr:
