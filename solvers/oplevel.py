@@ -29,22 +29,17 @@ decision's figures by the same rules.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import itertools
-import logging
-import os
-import sys
-import tempfile
 import time
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from .errors import RematError
+from .highs_output import quiet_stdout  # noqa: F401 - re-exported (imported from here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,50 +169,6 @@ def _front(decisions: list[LayerDecision]) -> list[LayerDecision]:
         if not out or d.saved_bytes < out[-1].saved_bytes:
             out.append(d)
     return out
-
-
-_log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def quiet_stdout() -> Iterator[None]:
-    """File descriptor 1 sent to a temporary file while the block runs (HiGHS prints
-    from C, past Python's ``sys.stdout``, e.g. ``HighsMipSolverData::transformNewIntegerFeasibleSolution``
-    lines); what it caught goes to this module's logger at DEBUG level. C's buffers are
-    flushed before fd 1 is restored, so nothing reaches the user's stdout later."""
-    libc = _libc()
-    with tempfile.TemporaryFile() as sink:
-        if sys.stdout is not None:
-            sys.stdout.flush()
-        if libc is not None:
-            libc.fflush(None)
-        try:
-            saved = os.dup(1)
-        except OSError:  # no fd 1 at all: nothing can reach a stdout
-            yield
-            return
-        os.dup2(sink.fileno(), 1)
-        try:
-            yield
-        finally:
-            if sys.stdout is not None:
-                sys.stdout.flush()
-            if libc is not None:
-                libc.fflush(None)
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            caught = sink.read().decode(errors="replace")
-            if caught:
-                _log.debug("HiGHS printed: %s", caught.rstrip())
-
-
-def _libc() -> ctypes.CDLL | None:
-    """The C library (its ``fflush``), or None where it cannot be loaded."""
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,8 @@ class Poly(Mapping):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, int) and not isinstance(other, bool):
             return self == Poly({(): other}) if other else not self._terms
+        if isinstance(other, Poly):
+            return self._terms == other._terms
         return isinstance(other, Mapping) and self._terms == dict(other)
 
     def __repr__(self) -> str:
@@ -65,9 +67,21 @@ class Poly(Mapping):
                 return self
             raise TypeError("add a Poly, not a nonzero int: the number of symbols is unknown")
         out = dict(self._terms)
-        for k, v in other.items():
-            out[k] = out.get(k, 0) + sign * v
-        return Poly(out)
+        for k, v in (other._terms if isinstance(other, Poly) else other).items():
+            w = out.get(k, 0) + sign * int(v)
+            if w:
+                out[k] = w
+            else:
+                out.pop(k, None)
+        return Poly._of(out)
+
+    @classmethod
+    def _of(cls, terms: dict[tuple[int, ...], int]) -> "Poly":
+        """A Poly holding ``terms`` itself (int coefficients, none zero: the caller's
+        promise), without the copy ``__init__`` makes: the liveness sweep adds millions."""
+        p = cls.__new__(cls)
+        p._terms, p._hash = terms, None
+        return p
 
     def __add__(self, other: "Poly | int") -> "Poly":
         return self._combine(other, 1)
@@ -78,7 +92,7 @@ class Poly(Mapping):
         return self._combine(other, -1)
 
     def __neg__(self) -> "Poly":
-        return Poly({k: -v for k, v in self._terms.items()})
+        return Poly._of({k: -v for k, v in self._terms.items()})
 
     def __mul__(self, factor: int) -> "Poly":
         return Poly({k: v * factor for k, v in self._terms.items()})

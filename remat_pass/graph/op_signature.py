@@ -284,17 +284,57 @@ def _spec_tree(x: Any, groups: dict[int, int]) -> Any:
 
 def signature_of(node: fx.Node, threads: int) -> OpSignature | None:
     """The OpSignature of ``node`` run with ``threads`` intra-op threads, or None when
-    it runs no aten op or an argument is symbolic or not a tensor / constant."""
+    it runs no aten op or an argument is symbolic or not a tensor / constant.
+
+    Memoized: a signature is a function of the op, the non-tensor arguments and, per
+    tensor argument, its traced value and real layout alone (``_spec``), and every
+    rewrite of a step copies its nodes with the same ``meta["val"]`` and
+    ``REAL_LAYOUT`` objects; so the memo keys on those objects' identities, and holds
+    them so that no identity is reused while its entry lives."""
     call = op_call(node)
     if call is None:
         return None
+    held: list[Any] = []
+    try:
+        memo_key = (call.op, _identity_tree(call.args, held), _identity_tree(call.kwargs, held), threads)
+        hash(memo_key)
+    except TypeError:  # an unhashable constant (a slice): not memoized
+        memo_key = None
+    if memo_key is not None and memo_key in _SIGNATURE_MEMO:
+        return _SIGNATURE_MEMO[memo_key][0]
     groups: dict[int, int] = {}
     try:
         args = _spec_tree(call.args, groups)
         kwargs = _spec_tree(call.kwargs, groups)
+        sig: OpSignature | None = OpSignature(str(call.op), args, kwargs, threads)
     except TypeError:
-        return None
-    return OpSignature(str(call.op), args, kwargs, threads)
+        sig = None
+    if memo_key is not None:
+        if len(_SIGNATURE_MEMO) >= _SIGNATURE_MEMO_SIZE:
+            _SIGNATURE_MEMO.clear()
+        _SIGNATURE_MEMO[memo_key] = (sig, held)
+    return sig
+
+
+# signature_of's memo: key -> (signature, the objects whose identities the key holds)
+_SIGNATURE_MEMO: dict[tuple, tuple[OpSignature | None, list[Any]]] = {}
+_SIGNATURE_MEMO_SIZE = 100_000
+
+
+def _identity_tree(x: Any, held: list[Any]) -> Any:
+    """fx arguments -> a hashable key: a node as the identities of its value and real
+    layout (appended to ``held``), containers as tuples, constants as themselves."""
+    if isinstance(x, fx.Node):
+        val, real = x.meta.get("val"), x.meta.get(REAL_LAYOUT)
+        held += (val, real)
+        return ("node", id(val), id(real))
+    if isinstance(x, (list, tuple)):
+        return tuple(_identity_tree(e, held) for e in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _identity_tree(v, held)) for k, v in x.items()))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise TypeError("a symbolic constant")
+    return (type(x), x)
 
 
 def cpu_flags() -> frozenset[str]:

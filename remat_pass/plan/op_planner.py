@@ -46,8 +46,9 @@ import torch.fx as fx
 
 from solvers import ChainCosts, CheckedPlan, Solution, StoredOption, least_feasible_peak
 from solvers.resolve import lowest_front
+from solvers.front_pool import solve_layer_fronts
 from solvers.oplevel import (External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value,
-                             solve_layer_front, spread_order)
+                             spread_order)
 from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
@@ -345,7 +346,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             else (lambda n: roofline_cost(n, cost_model.flops_per_byte)))
         self.kinds = layer_kinds(joint, stack, self.cost_of, allocator)
         self.limits = limits if limits is not None else SolveLimits()
-        self.layer_fronts: list[LayerFront] = [solve_layer_front(k.graph, self.limits) for k in self.kinds]
+        self.layer_fronts: list[LayerFront] = solve_layer_fronts([k.graph for k in self.kinds], self.limits)
         self.fronts = [list(f.points) for f in self.layer_fronts]
         self.kind_of = {layer: i for i, k in enumerate(self.kinds) for layer in k.layers}
         self.model = SymbolicModel.from_joint(joint, stack)

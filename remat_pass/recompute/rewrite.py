@@ -16,6 +16,7 @@ state cannot be replayed) is refused.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 from typing import Any, Mapping
@@ -23,6 +24,9 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+# generates the Python code of a graph on its first call, not when built: a planner builds
+# and profiles dozens of candidate steps and runs one (Inductor's pattern passes use it so)
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..graph.costs import RNG_STATE_BYTES, is_mutating, is_random
 from ..errors import InvalidSchedule, UnsupportedGraph
@@ -185,11 +189,36 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
     return _Builder(joint, stack, p, layouts).build()
 
 
+def _bare_node(graph: fx.Graph, op: str, target: Any, args: tuple, kwargs: dict, name: str,
+               type_expr: Any = None) -> fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name)`` for arguments taken from an
+    already built graph: created without arguments, then given them, which skips
+    torch 2.13's ``Graph.create_node`` scan of every argument leaf for raw SymInts (a
+    pytree walk that was half of a rewrite's time; these arguments passed it when the
+    traced graph was built). The node is the same: arguments, users and name."""
+    node = graph.create_node(op, target, (), {}, name, type_expr)
+    node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, transform: Any) -> fx.Node:
+    """``graph.node_copy(node, transform)`` through ``_bare_node``: the same node, meta
+    copied (shallow, as ``node_copy`` does)."""
+    args = fx.node.map_arg(node.args, transform)
+    kwargs = fx.node.map_arg(node.kwargs, transform)
+    new = _bare_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
+    new.meta = copy.copy(node.meta)
+    return new
+
+
 class _Builder:
     """Copies the joint graph's nodes into the forward and backward graphs."""
 
     def __init__(self, joint: JointGraph, stack: LayerStack, p: Partition, layouts: Mapping[str, RealLayout]):
-        self.joint, self.p, self.layouts = joint, p, layouts
+        # a plain dict: Mapping.get on RealLayouts raises and catches a KeyError per miss
+        self.joint, self.p, self.layouts = joint, p, dict(layouts)
         self.nodes = list(joint.gm.graph.nodes)
         self.by_name = {n.name: n for n in self.nodes}
         self.order = {n: i for i, n in enumerate(self.nodes)}
@@ -225,7 +254,7 @@ class _Builder:
                 value, state = self._forward_with_rng_state(graph, n, env)
                 rng_state_of[n] = state
             else:
-                value = graph.node_copy(n, env.__getitem__)
+                value = _copy_node(graph, n, env.__getitem__)
             self._real_layout(value, n)
             env[n] = value
             self._label(value, n, "forward")
@@ -234,7 +263,7 @@ class _Builder:
         fwd_outs = [env[a] if isinstance(a, fx.Node) else a for a in output.args[0][:k]]
         graph.output([*fwd_outs, *(env[v] for v in self.saved_nodes), *(rng_state_of[v] for v in self.random)])
         graph.lint()
-        return fx.GraphModule(self.joint.gm, graph, class_name="RematForward"), env, rng_state_of
+        return _LazyGraphModule(self.joint.gm, graph, class_name="RematForward"), env, rng_state_of
 
     def _forward_with_rng_state(self, graph: fx.Graph, n: fx.Node, env: dict) -> tuple[fx.Node, fx.Node]:
         args = fx.node.map_arg(n.args, env.__getitem__)
@@ -293,14 +322,14 @@ class _Builder:
             for seg in segments_before.get(b.name, ()):
                 self._recompute(graph, seg, env, recomputed_env, state_placeholder)
 
-            new = graph.node_copy(b, lambda a: self._lookup(graph, a, env, recomputed_env))
+            new = _copy_node(graph, b, lambda a: self._lookup(graph, a, env, recomputed_env))
             self._real_layout(new, b)
             env[b] = new
             self._label(new, b, "backward")
         grads = self.nodes[-1].args[0][self.joint.num_fwd_outputs:]
         graph.output([env[g] if isinstance(g, fx.Node) else g for g in grads])
         graph.lint()
-        return fx.GraphModule(self.joint.gm, graph, class_name="RematBackward"), bw_primals
+        return _LazyGraphModule(self.joint.gm, graph, class_name="RematBackward"), bw_primals
 
     def _lookup(self, graph: fx.Graph, a: fx.Node, env: dict, recomputed_env: dict) -> fx.Node:
         """The backward graph's node for joint node ``a``: saved, primal, tangent or
@@ -336,7 +365,7 @@ class _Builder:
             target = v.target
             if v in state_placeholder:
                 target, args = run_with_rng_state, (state_placeholder[v], v.target, *args)
-            new = graph.create_node(v.op, target, args, kwargs, name=f"{v.name}_recompute")
+            new = _bare_node(graph, v.op, target, args, kwargs, f"{v.name}_recompute")
             new.meta.update(v.meta)
             self._real_layout(new, v)
             local[v] = new
