@@ -84,3 +84,61 @@ def resnet18_like_train(batch: int = 2, size: int = 16):
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
     target = torch.randint(0, 5, (batch,), generator=torch.Generator().manual_seed(2))
     return model, (x,), lambda out: F.cross_entropy(out, target)
+
+
+class ConvNeXtBlock(nn.Module):
+    """torchvision's ``CNBlock`` (Liu et al. 2022, "A ConvNet for the 2020s", Fig. 4):
+    7x7 depthwise conv, LayerNorm over channels (channels last), Linear 4x, GELU,
+    Linear back, layer scale, residual."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.layer_scale = nn.Parameter(torch.full((c, 1, 1), 1e-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.fc2(F.gelu(self.fc1(y))).permute(0, 3, 1, 2)
+        return x + self.layer_scale * y
+
+
+class ConvNeXtLike(nn.Module):
+    """torchvision's ConvNeXt layout at small widths: ``features`` is a Sequential of a
+    4x4 stride-4 stem, then stages (Sequentials of blocks) with a downsampling layer
+    (LayerNorm, 2x2 stride-2 conv) between them; several layer stacks, one per stage."""
+
+    def __init__(self, width: int = 8, depths: tuple[int, ...] = (2, 2, 3), classes: int = 5):
+        super().__init__()
+        widths = [width * 2**i for i in range(len(depths))]
+        layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 4, stride=4)]
+        for i, (w, d) in enumerate(zip(widths, depths)):
+            if i:
+                layers.append(_Downsample(widths[i - 1], w))
+            layers.append(nn.Sequential(*(ConvNeXtBlock(w) for _ in range(d))))
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class _Downsample(nn.Module):
+    """ConvNeXt's LayerNorm2d then a 2x2 stride-2 convolution."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.norm, self.conv = nn.LayerNorm(c_in, eps=1e-6), nn.Conv2d(c_in, c_out, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def convnext_like(batch: int = 2, size: int = 32):
+    """A ConvNeXtLike, one batch of images and its cross-entropy loss."""
+    torch.manual_seed(0)
+    model = ConvNeXtLike().train()
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 5, (batch,), generator=torch.Generator().manual_seed(2))
+    return model, (x,), lambda out: F.cross_entropy(out, target)
