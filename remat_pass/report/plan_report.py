@@ -201,11 +201,13 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
         f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
         f"chain model {p.model_peak_bytes}",
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
-         if measured is not None else "measured peak      - (not reported: the gradients differ)"),
+         if measured is not None else "measured peak      - (predicted only: nothing was run)" if result.predicted_only
+         else "measured peak      - (not reported: the gradients differ)"),
         f"recompute          {p.recompute_flops} FLOPs ({fmt_flops(p.recompute_flops)}), "
         f"{p.recompute_bytes_moved} bytes moved "
         f"(cost {p.recompute_cost} in the cost model's unit)",
-        f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the un-rewritten step",
+        (f"gradients          {'bitwise equal' if result.grads_equal else result.grads_text()} to the "
+         "un-rewritten step" if not result.predicted_only else "gradients          - (predicted only: nothing was run)"),
         f"unconstrained peak {p.unconstrained_peak_bytes} bytes ({fmt_bytes(p.unconstrained_peak_bytes)})",
         f"least feasible     {p.least_feasible_peak_bytes} bytes ({fmt_bytes(p.least_feasible_peak_bytes)})",
         f"layer kinds        {fronts}",

@@ -56,3 +56,15 @@ def test_model_prints_formulas(capsys):
     out = capsys.readouterr().out
     assert "peak_uniform(K)" in out and "peak_block(N)" in out and "\\mathrm{peak}" in out
     assert "batch" in out and "seq" in out
+
+
+def test_an_op_level_plan_of_a_meta_step_says_predicted_only(capsys):
+    """`plan --granularity op --meta` printed "gradients DIFFER by 0" and "measured peak -
+    (not reported: the gradients differ)" for a step that was never run."""
+    argv = ["plan", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--no-calibrate", "--meta",
+            "--granularity", "op", "--budget", "100MiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gradients          - (predicted only: nothing was run)" in out, out
+    assert "measured peak      - (predicted only: nothing was run)" in out, out
+    assert "DIFFER" not in out, out
