@@ -102,7 +102,8 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         calibration_cache=args.calibration_cache,
         seed=args.seed, target=args.target, gpu=args.gpu or DEFAULT_GPU, optimizer=args.optimizer,
         master_weights=args.master_weights, device_memory=args.device_memory,
-        trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None))
+        trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None),
+        factory_kwargs=tuple(getattr(args, "factory_kwargs", {}).items()))
 
 
 def model_name(args: argparse.Namespace) -> str:

@@ -48,6 +48,7 @@ from .parallel import add_parallel_args
 from .plan import cmd_model, cmd_plan
 from .report import cmd_check, cmd_inspect, cmd_report
 from .sweep import add_policy_args, cmd_sweep
+from .megatron import add_megatron_parser
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE  # noqa: F401 - what main returns, also for its callers
 from .common import add_model_args, add_schedule_args, positive_int
 from .flags import check_flags
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allocator model for the predicted bytes (default: the --target's; per-rank: cpu)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=cmd_sweep)
+    add_megatron_parser(sub)
     p = sub.add_parser("inspect", help="the rewritten forward/backward graphs, saved activations, recompute segments")
     add_model_args(p)
     add_schedule_args(p, allow_all=False)

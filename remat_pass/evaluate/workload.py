@@ -69,6 +69,8 @@ class WorkloadOptions:
         trace_all_layers: trace every layer even when layers could be reused.
         allocator: count storages as this allocator does (``"cpu"`` / ``"cuda"``;
             default: the target's); ``cuda`` with the CPU target keeps the CPU trace.
+        factory_kwargs: more keyword arguments of the factory, as ``(name, value)`` pairs
+            (``remat-pass megatron`` passes a Megatron-LM command's model shape).
     """
 
     model: str = DEFAULT_MODEL
@@ -91,13 +93,15 @@ class WorkloadOptions:
     device_memory: str | None = None
     trace_all_layers: bool = False
     allocator: str | None = None
+    factory_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def step_options(self) -> StepOptions:
         """What to build and trace, for the one builder (``traced_step.trace_step``)."""
         return StepOptions(model=self.model, config=self.config, task=self.task, dtype=self.dtype,
                            autocast=self.autocast, batch=self.batch, seq=self.seq, layers=self.layers,
                            meta=self.meta, target=self.target, gpu=self.gpu, stack=self.stack,
-                           reuse_layers=not self.trace_all_layers, allocator=self.allocator, seed=self.seed)
+                           reuse_layers=not self.trace_all_layers, allocator=self.allocator, seed=self.seed,
+                           factory_kwargs=dict(self.factory_kwargs))
 
 
 def check_options(o: WorkloadOptions) -> int | None:

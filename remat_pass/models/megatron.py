@@ -230,6 +230,7 @@ def megatron_gpt(
     ffn_hidden: int | None = None,
     dropout: float = 0.1,
     seed: int = 0,
+    max_positions: int | None = None,
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """Megatron-Core's ``GPTModel`` with the local layer spec
     (``gpt_layer_specs.get_gpt_layer_local_spec()``: Megatron's own attention, MLP and
@@ -245,6 +246,7 @@ def megatron_gpt(
         ffn_hidden: ``--ffn-hidden-size`` (default ``4 * hidden``).
         dropout: ``--attention-dropout`` and ``--hidden-dropout``.
         seed: ``--seed``: the weights, the token ids and the RNG tracker.
+        max_positions: ``--max-position-embeddings`` (default ``seq``; at least ``seq``).
 
     Returns:
         ``(model, inputs, mean_loss)``: ``inputs`` holds ``input_ids``,
@@ -270,6 +272,9 @@ def megatron_gpt(
             raise ValueError(f"megatron_gpt: {name} must be >= 1, got {v}")
     if hidden % heads:
         raise ValueError(f"megatron_gpt: hidden ({hidden}) must be a multiple of heads ({heads})")
+    max_positions = seq if max_positions is None else max_positions
+    if max_positions < seq:
+        raise ValueError(f"megatron_gpt: max_positions ({max_positions}) must be at least seq ({seq})")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -283,7 +288,8 @@ def megatron_gpt(
         params_dtype=torch.float32,
     )
     torch.manual_seed(seed)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq).train()
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab,
+                     max_sequence_length=max_positions).train()
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     inputs = {
         "input_ids": ids,

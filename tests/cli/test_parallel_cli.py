@@ -90,3 +90,28 @@ def test_sweep_measure_is_exact_at_one_sample_per_microbatch(tmp_path, capsys):
     assert [r["predicted_peak_bytes"] for r in rows] == [r["measured_peak_bytes"] for r in rows]
     table = capsys.readouterr().out
     assert "error B" in table and "measured MiB" in table
+
+
+@pytest.mark.slow
+def test_a_megatron_command_sweeps_as_the_factory_does(tmp_path):
+    """`remat-pass megatron -- <Megatron-LM arguments>` equals `sweep` of the same
+    Megatron-Core factory: the same settings, predicted == measured, gradients equal."""
+    pytest.importorskip("megatron.core")
+    from remat_pass.cli.main import main as cli_main
+
+    megatron = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                "--vocab-size", "100", "--micro-batch-size", "2", "--attention-dropout", "0.0",
+                "--hidden-dropout", "0.0", "--seed", "0", "--recompute-granularity", "full",
+                "--recompute-method", "uniform", "--recompute-num-layers", "1", "--lr", "1e-4"]
+    assert cli_main(["megatron", "--json", str(tmp_path / "m.json"), "--", *megatron]) == 0
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert all(r["predicted_peak_bytes"] == r["measured_peak_bytes"] and r["grads_equal"] for r in rows), rows
+    from remat_pass.evaluate.session import Session
+    from remat_pass.models.megatron import megatron_gpt
+    from remat_pass.recompute.schedule import megatron_schedules
+
+    # the factory path: the padded vocabulary (100 -> 128), dropout 0, seed 0
+    session = Session.create(*megatron_gpt(batch=2, seq=16, layers=2, hidden=32, heads=4, vocab=128, dropout=0.0,
+                                           seed=0))
+    assert [(r["provenance"], r["predicted_peak_bytes"]) for r in rows] == [
+        (s.provenance, session.report(s).peak_bytes) for s in megatron_schedules(session.stack.layers_per_stack)]

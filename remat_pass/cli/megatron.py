@@ -1,0 +1,87 @@
+"""``remat-pass megatron [sweep options] -- <Megatron-LM arguments>``: a Megatron-LM
+launch command in, every recompute setting of the Megatron-Core model it describes out.
+
+The arguments after ``--`` are those a user passes to Megatron-LM's ``pretrain_gpt.py``
+(read by ``models.megatron_args``: Megatron's names and defaults; an option not modelled
+yet or unknown is an error naming it, exit 2). They build Megatron-Core's own
+``GPTModel`` (``models.megatron.megatron_gpt``: the local layer spec, unmodified, on the
+CPU over a gloo world of one), which is then swept as ``remat-pass sweep`` sweeps a
+factory: every setting Megatron-LM can name (none, ``--recompute-method uniform`` with
+every K, ``block`` with every N), predicted and, unless ``--meta``, measured, with
+gradients checked; the rows of a K that Megatron-Core 0.16.1 itself crashes on are
+named. The options before ``--`` are ``sweep``'s (``--json``, ``--meta``, ``--target``,
+``--device-memory``, ``--optimizer``, ...). One GPU so far: tensor, pipeline and context
+parallel sizes of 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..models.megatron_args import read_megatron_command
+
+FACTORY = "remat_pass.models.megatron:megatron_gpt"
+
+
+def add_megatron_parser(sub: Any) -> None:
+    """Add the ``megatron`` subcommand (``sweep``'s options, then the Megatron-LM
+    arguments after ``--``) to the subparsers ``sub``."""
+    from .common import add_model_args
+    from .parallel import add_parallel_args
+    from .sweep import add_policy_args
+
+    p = sub.add_parser("megatron", help="a Megatron-LM launch command (after --): every recompute setting of its "
+                       "Megatron-Core model", usage="remat-pass megatron [sweep options] -- <Megatron-LM arguments>")
+    add_model_args(p)
+    add_policy_args(p)
+    add_parallel_args(p)
+    p.add_argument("--allocator", choices=("cpu", "cuda"), help="allocator model for the predicted bytes")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("megatron_args", nargs="*", metavar="MEGATRON-LM ARGUMENTS",
+                   help="after --: the arguments of pretrain_gpt.py (--num-layers ... --recompute-method ...)")
+    p.set_defaults(func=cmd_megatron)
+
+
+def cmd_megatron(args: argparse.Namespace) -> int:
+    """Read the Megatron-LM arguments, then sweep the model they describe (``cmd_sweep``).
+
+    Raises:
+        ValueError: the Megatron-LM arguments (``read_megatron_command``), or ``--model``
+            / ``--config`` / ``--batch`` / ``--seq`` / ``--layers`` given as well (the
+            command gives them), or ``--meta`` (Megatron's RNG tracker needs real values).
+    """
+    from .sweep import cmd_sweep
+
+    for name in ("model", "config", "batch", "seq", "layers"):
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"remat-pass megatron takes the model from the Megatron-LM arguments after --; "
+                             f"leave out --{name}")
+    from .parallel import parallel_config
+
+    if parallel_config(args) is not None:
+        raise ValueError("remat-pass megatron models one GPU so far: leave out --tp / --sp / --pp / --fsdp (the "
+                         "Megatron-LM arguments' parallel sizes must be 1)")
+    if args.meta:
+        raise ValueError("remat-pass megatron --meta: Megatron-Core's RNG tracker reads a tensor's value "
+                         "(CudaRNGStatesTracker.fork, tensor_parallel/random.py) that a trace without weights "
+                         "does not have; run without --meta (the model is built on the CPU)")
+    if not args.megatron_args:
+        raise ValueError("give the Megatron-LM arguments after --, e.g. remat-pass megatron -- --num-layers 8 "
+                         "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
+                         "--micro-batch-size 8")
+    command = read_megatron_command(args.megatron_args)
+    args.model, args.batch, args.seq = FACTORY, command.batch, command.seq
+    args.layers = command.factory_kwargs["layers"]
+    args.factory_kwargs = {k: v for k, v in command.factory_kwargs.items() if k != "layers"}
+    method, k = command.recompute
+    setting = "none" if method == "none" else f"{method}({'K' if method == 'uniform' else 'N'}={k})"
+    print(f"Megatron-LM command: Megatron-Core GPTModel (local spec), {command.factory_kwargs['layers']} layers, "
+          f"hidden {command.factory_kwargs['hidden']}, {command.factory_kwargs['heads']} heads, padded vocab "
+          f"{command.factory_kwargs['vocab']}, micro-batch {command.batch}, seq {command.seq}; its recompute "
+          f"setting: {setting} (the table's row {setting}); {command.microbatches} microbatch(es) per step, "
+          "run one after another (each peaks alike: one microbatch's figures below)", file=sys.stderr)
+    if command.ignored:
+        print(f"ignored (no effect on one step's memory): {', '.join(command.ignored)}", file=sys.stderr)
+    return cmd_sweep(args)
