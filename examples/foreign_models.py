@@ -387,6 +387,34 @@ PLAN_HEADER = ["layer least feasible vs best Megatron KiB", "op least / unconstr
                "op plan: budget: predicted / measured KiB", "op plan s", "op proven gap / bound", "layer plan s"]
 
 
+def summary(results: list[dict]) -> str:
+    """One paragraph: models traced, exact rows, gradients, refusals with their error
+    class, and (with the plan columns) the op-level plans' fit and times."""
+    traced = [d for d in results if d["status"] == "traced"]
+    rows = [r for d in traced for r in d["rows"]]
+    lines = [f"{len(traced)} of {len(results)} models traced; {sum(exact_rows(d['rows']) for d in traced)} of "
+             f"{len(rows)} rows predicted == measured to the byte; gradients: {_grads(rows) if rows else '-'}."]
+    for d in results:
+        if d["status"] != "traced":
+            lines.append(f"{d['status']}: {d['model']} ({d['reason'].split(':')[0]}).")
+    planned = [d for d in traced if "op_plan_s" in d]
+    if planned:
+        fits = sum(d["op_measured_bytes"] is not None and d["op_measured_bytes"] <= d["op_budget_bytes"]
+                   for d in planned)
+        exact = sum(d["op_measured_bytes"] == d["op_predicted_bytes"] for d in planned)
+        below = [d["model"] for d in planned if d["layer_least_feasible_bytes"] < d["best_megatron_predicted_bytes"]]
+        slow = [f"{d['model']} {d['op_plan_s']:.0f} s" for d in planned if d["op_plan_s"] > 30]
+        times = sorted(d["op_plan_s"] for d in planned)
+        lines.append(
+            f"Op-level plans: measured peak within the budget {fits}/{len(planned)}, predicted == measured "
+            f"{exact}/{len(planned)}; plan time median {times[len(times) // 2]:.1f} s, most {times[-1]:.1f} s; "
+            f"over 30 s: {', '.join(slow) or 'none'}; bounded (not proven optimal): "
+            f"{sum(bool(d['op_bound']) for d in planned)}/{len(planned)}. Layer-level least feasible below the best "
+            f"Megatron setting: {', '.join(below) or 'none'}; op-level least feasible below the layer level's: "
+            f"{sum(d['op_least_feasible_bytes'] < d['layer_least_feasible_bytes'] for d in planned)}/{len(planned)}.")
+    return " ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", help=f"comma-separated names (default: all): {','.join(MODELS)}")
@@ -411,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "", f"host: {platform.node()}, {platform.processor() or platform.machine()}, Python "
         f"{platform.python_version()} ({sys.executable}), torch {torch.__version__}, {args.threads} thread(s), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+        summary(results), "",
         markdown_table(HEADER + (PLAN_HEADER if args.plan else []), [table_row(d, args.plan) for d in results]), "",
         *[f"- {d['model']}: {d['note']}" for d in results if d["note"]]])
     print(text)
