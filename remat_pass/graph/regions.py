@@ -485,13 +485,15 @@ def assign_layers_to_stacks(
 
 def _stack_layer(recorded: Mapping | None, prefixes: Sequence[tuple[str, Mapping[str, int]]]
                  ) -> tuple[int, int] | None:
-    """``(stack index, layer index in it)`` of the innermost recorded module path that
-    lies in a layer of one of the stacks, or None."""
-    found = None
+    """``(stack index, layer index in it)`` of a recorded path in a layer of a stack, or
+    None: the innermost stack's outermost path (the calling layer; a module all layers
+    share is recorded under one layer's path, ``named_modules`` lists it once)."""
+    found, met = None, set()
     for path, _ in recorded_paths(recorded):
         for si, (prefix, index) in enumerate(prefixes):
-            if path.startswith(prefix):
+            if si not in met and path.startswith(prefix):
                 child = path[len(prefix):].split(".", 1)[0]
                 if child in index:
                     found = (si, index[child])
+                    met.add(si)
     return found
