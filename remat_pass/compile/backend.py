@@ -182,7 +182,7 @@ class RematBackend:
         self._count += 1
         captured = capture(gm, example_inputs, graph_id, frame, self._seen_break)
         self._seen_break = self._seen_break or captured.info.graph_break is not None
-        state = self._compiled(compile_graph(captured, self._scheduler, tuple(self.reports)))
+        state = self._compiled(compile_graph(captured, self._scheduler, tuple(self.reports), example_inputs))
         if isinstance(state, Inference):
             self.inference_graphs.append(graph_id)
             return state.run

@@ -32,7 +32,8 @@ from ..errors import RematError
 from .compiled_graphs import GraphReport
 from .graph import RematFallbackWarning
 from .graph_schedule import GraphScheduler
-from .graph_state import Captured, Compiled, Inference, InductorCode, Plain, Planned, Recorded, plan
+from .graph_state import (Captured, Compiled, Inference, InductorCode, Plain, Planned, Recorded, example_values,
+                          plan)
 from .graph_transforms import output_roles
 from .inductor_hooks import capture_inner_compile
 
@@ -89,7 +90,8 @@ class _Partition:
         return CompileResult(state, tuple(p.report for p in self.plans))
 
 
-def compile_graph(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport]) -> CompileResult:
+def compile_graph(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport],
+                  inputs: Sequence[Any] | None = None) -> CompileResult:
     """Captured -> Compiled (rewritten) | Inference (no partition ran) | Plain (a
     RematError, ``on_error="fallback"``: ``fall_back``).
 
@@ -97,22 +99,26 @@ def compile_graph(captured: Captured, scheduler: GraphScheduler, earlier: Sequen
         captured: the graph (with ``forced``: the step plan's schedule).
         scheduler: the backend's GraphScheduler (its options: ``compiler``, ``on_error``).
         earlier: the GraphReports of the graphs compiled before, in compile order.
+        inputs: Dynamo's example inputs (the first compile); default: tensors made
+            from the captured stand-ins (``graph_state.example_values``, a recompile).
 
     Raises:
         RematError: as ``graph_state.plan``, with ``on_error="raise"``.
     """
     options = scheduler.options
+    inputs = list(inputs) if inputs is not None else example_values(captured.example_inputs)
     try:
         if options.compiler == "inductor":
-            return _compile_inductor(captured, scheduler, earlier)
-        return _compile_eager(captured, scheduler, earlier)
+            return _compile_inductor(captured, scheduler, earlier, inputs)
+        return _compile_eager(captured, scheduler, earlier, inputs)
     except RematError as e:
         if options.on_error != "fallback":
             raise
-        return CompileResult(fall_back(captured, e, options.compiler), ())
+        return CompileResult(fall_back(captured, e, options.compiler, inputs), ())
 
 
-def _compile_eager(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport]) -> CompileResult:
+def _compile_eager(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport],
+                   inputs: list[Any]) -> CompileResult:
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -123,11 +129,12 @@ def _compile_eager(captured: Captured, scheduler: GraphScheduler, earlier: Seque
         return boxed_nop(gm, example_inputs)
 
     run = aot_autograd(fw_compiler=forward_compiler, bw_compiler=boxed_nop, partition_fn=part,
-                       keep_inference_input_mutations=True)(captured.gm, list(captured.example_inputs))
+                       keep_inference_input_mutations=True)(captured.gm, inputs)
     return part.result(run, None)
 
 
-def _compile_inductor(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport]) -> CompileResult:
+def _compile_inductor(captured: Captured, scheduler: GraphScheduler, earlier: Sequence[GraphReport],
+                      inputs: list[Any]) -> CompileResult:
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -153,23 +160,24 @@ def _compile_inductor(captured: Captured, scheduler: GraphScheduler, earlier: Se
     # compile's state) and a hit would skip the partition, and with it the report.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         run = compile_fx(
-            captured.gm, list(captured.example_inputs), inner_compile=capture_inner_compile(on_code),
+            captured.gm, inputs, inner_compile=capture_inner_compile(on_code),
             config_patches={"custom_partitioner_fn": _Partitioner(), "fx_graph_cache": False},
         )
     return part.result(run, code)
 
 
-def fall_back(state: Captured | Compiled | Recorded, error: Exception, compiler: str) -> Plain:
+def fall_back(state: Captured | Compiled | Recorded, error: Exception, compiler: str,
+              inputs: Sequence[Any] | None = None) -> Plain:
     """Captured | Compiled | Recorded -> Plain: the graph compiled without this pass
     (AOTAutograd's partition, or Inductor's with ``compiler="inductor"``) because of
-    ``error``, with a ``RematFallbackWarning``."""
+    ``error``, with a ``RematFallbackWarning``; ``inputs`` as ``compile_graph``."""
     if isinstance(state, Recorded):
         state = state.compiled
     captured = state.planned.captured if isinstance(state, Compiled) else state
     reason = f"{type(error).__name__}: {error}"
     warnings.warn(f"remat-pass: graph {captured.graph_id} runs un-rewritten (on_error='fallback') because "
                   f"of {reason}", RematFallbackWarning, stacklevel=3)
-    inputs = list(captured.example_inputs)
+    inputs = list(inputs) if inputs is not None else example_values(captured.example_inputs)
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

@@ -58,13 +58,68 @@ class InductorCode:
 
 
 @dataclasses.dataclass(frozen=True)
+class InputStandIn:
+    """What a recompile needs of an example input that is not a parameter: its layout,
+    dtype, device and ``requires_grad``, and which storage it shares with the other
+    inputs (``storage``: an index, ``storage_nbytes``), but no bytes. Holding Dynamo's
+    real example input instead would keep one step's activation (the logits at a graph
+    break) alive for as long as the backend lives."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    storage: int
+    storage_nbytes: int
+
+
+def stand_ins(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """``example_inputs`` with every plain tensor that is not an ``nn.Parameter``
+    replaced by its InputStandIn (parameters, tensor subclasses and non-tensors kept)."""
+    storages: dict[int, int] = {}
+    out: list[Any] = []
+    for x in example_inputs:
+        if type(x) is not torch.Tensor:
+            out.append(x)
+            continue
+        st = x.untyped_storage()
+        index = storages.setdefault(st.data_ptr(), len(storages))
+        out.append(InputStandIn(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device,
+                                x.requires_grad, index, st.nbytes()))
+    return tuple(out)
+
+
+def example_values(inputs: Sequence[Any]) -> list[Any]:
+    """Tensors for ``stand_ins``' stand-ins: zero-filled, with their layouts and their
+    shared storages (AOTAutograd traces them with fake tensors; their values are never
+    read). Allocated for one recompile and dropped after it."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    out: list[Any] = []
+    for x in inputs:
+        if not isinstance(x, InputStandIn):
+            out.append(x)
+            continue
+        st = storages.get(x.storage)
+        if st is None:
+            st = storages[x.storage] = torch.zeros(x.storage_nbytes, dtype=torch.uint8,
+                                                   device=x.device).untyped_storage()
+        t = torch.empty(0, dtype=x.dtype, device=x.device).set_(st, x.offset, x.size, x.stride)
+        out.append(t.requires_grad_(x.requires_grad))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Captured:
     """A graph Dynamo handed over, to compile.
 
     Attributes:
         info: what Dynamo says of it (id, placeholder labels, graph break).
         gm: Dynamo's GraphModule.
-        example_inputs: the inputs it was captured with.
+        example_inputs: the inputs it was captured with, activations as
+            ``InputStandIn``s (``example_values`` makes tensors of them); the first
+            compile is given Dynamo's real inputs.
         forced: the schedule the step plan chose for it (a re-planned graph), else None.
         roles: the output roles of its previous compile (a re-planned graph), kept when
             AOTAutograd gives no output metadata (``graph_compile``).
@@ -221,7 +276,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_id: str, fr
             seen_break: bool) -> Captured:
     """The Captured state of the Dynamo graph ``gm`` (``graph_id``, ``frame``: its compile
     id; ``seen_break``: an earlier graph ended at a graph break); ``compile_info``."""
-    return Captured(compile_info(gm, graph_id, frame, seen_break), gm, tuple(example_inputs))
+    return Captured(compile_info(gm, graph_id, frame, seen_break), gm, stand_ins(example_inputs))
 
 
 def plan(captured: Captured, joint_gm: fx.GraphModule, num_fwd_outputs: int, static: tuple[int, ...],

@@ -13,7 +13,12 @@ Each call records, without holding any tensor:
 - the shapes of its non-parameter inputs (the sizes of a graph compiled with dynamic
   shapes);
 - an input made by an eager autograd op (its ``grad_fn`` is not a compiled graph's):
-  eager code runs between graphs, which the composition does not see.
+  eager code runs between graphs, which the composition does not see;
+- a weak reference to each output's storage (``StorageWeakRef``, as PyTorch's
+  ``torch.distributed._tools.mem_tracker`` tracks storages: it keeps no bytes alive).
+  When the backward pass ends, every saved tensor has been released, so an output whose
+  storage is still alive is held by the caller (``out = model(...);
+  out.loss.backward()`` keeps ``out.logits``): ``RecordedStep.held``.
 
 The backward order is observed with a pre-hook on the ``CompiledFunctionBackward`` node
 of each call's outputs (``Node.register_prehook``). No post-hook: with one, autograd's
@@ -33,6 +38,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 COMPILED_BACKWARD = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function node
 
@@ -52,6 +58,8 @@ class RecordedCall:
         shapes: per input, its shape (tensors that are not parameters), its value
             (ints) or None.
         has_backward: an output has a compiled backward node.
+        first_output_shape: the shape of its output 0 (None: not a tensor); a last call
+            whose output 0 is not a one-element loss leaves the loss to eager code.
     """
 
     graph_id: str
@@ -60,6 +68,7 @@ class RecordedCall:
     param_keys: tuple[int | None, ...]
     shapes: tuple[Any, ...]
     has_backward: bool
+    first_output_shape: tuple[int, ...] | None = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,9 @@ class RecordedStep:
             a backward run twice, a forward after backward started); empty if none.
         eager_inputs: inputs made by eager autograd ops (``"graph 1/0 input 3 from
             EmbeddingBackward0"``): eager code runs between the graphs.
+        held: ``(call, output)`` of every output whose storage was still alive when
+            the step's backward pass ended (the caller holds it); empty when no
+            backward ended the step.
     """
 
     index: int
@@ -81,13 +93,14 @@ class RecordedStep:
     backward_order: tuple[int, ...]
     problems: tuple[str, ...]
     eager_inputs: tuple[str, ...]
+    held: tuple[tuple[int, int], ...] = ()
 
     def signature(self) -> tuple:
         """What decides the composed step (calls, flow, shapes, backward order); equal
         signatures compose to the same step."""
         kept = self.grad_kept_in_order()
         return (tuple((c.graph_id, c.inputs_from, k, c.shapes) for c, k in zip(self.calls, kept)),
-                self.backward_order)
+                self.backward_order, self.held)
 
     def grad_kept_in_order(self) -> list[tuple[bool | None, ...]]:
         """``grad_kept`` of every call, with a parameter read by several graphs kept
@@ -122,11 +135,17 @@ class _OpenStep:
         self.backward: list[int] = []
         self.problems: list[str] = []
         self.eager: list[str] = []
+        self.outputs: dict[tuple[int, int], StorageWeakRef] = {}
+        self.held: tuple[tuple[int, int], ...] = ()
         self.callback_queued = False
+
+    def note_held(self) -> None:
+        """Record which outputs are still alive (called when a backward pass ends)."""
+        self.held = tuple(key for key, ref in self.outputs.items() if not ref.expired())
 
     def close(self) -> RecordedStep:
         return RecordedStep(self.index, tuple(self.calls), tuple(self.backward),
-                            tuple(self.problems), tuple(self.eager))
+                            tuple(self.problems), tuple(self.eager), self.held)
 
 
 class StepRecorder:
@@ -189,14 +208,17 @@ class StepRecorder:
         for k, o in enumerate(_flat_outputs(out)):
             if isinstance(o, torch.Tensor):
                 step.producers[_storage_key(o)] = (index, k)
+                step.outputs[(index, k)] = StorageWeakRef(o.untyped_storage())
                 node = o.grad_fn
                 if not has_backward and node is not None and type(node).__name__ == COMPILED_BACKWARD:
                     has_backward = True
                     node.register_prehook(lambda grads, c=index, s=step: self._backward_starts(s, c))
         if has_backward:
             step.pending.add(index)
+        first = _flat_outputs(out)[0] if _flat_outputs(out) else None
         step.calls.append(RecordedCall(graph.graph_id, tuple(inputs_from), tuple(kept), tuple(params),
-                                       tuple(shapes), has_backward))
+                                       tuple(shapes), has_backward,
+                                       tuple(first.shape) if isinstance(first, torch.Tensor) else None))
         return out
 
     def _backward_starts(self, step: _OpenStep, c: int) -> None:
@@ -223,6 +245,7 @@ class StepRecorder:
         """A backward pass ended: the step ends with it when no call's backward is pending."""
         step.callback_queued = False
         if step is self._open and not step.pending:
+            step.note_held()
             self.finish()
 
 

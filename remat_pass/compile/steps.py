@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -184,12 +185,17 @@ def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Grap
                                      p.report.peak_bytes))
     model = "inductor" if options.compiler == "inductor" else "fx"
     notes = [f"eager code between graphs ({', '.join(rec.eager_inputs)})"] if rec.eager_inputs else []
+    last = rec.calls[-1].first_output_shape if rec.calls else ()
+    if last is None or math.prod(last) != 1:
+        notes.append(f"the last graph's output 0 is not a loss (shape {list(last or [])}): eager code after the "
+                     "compiled graphs computes it, and its ops are not modelled (the output is counted live to "
+                     "the end of the step in their place)")
     if model == "inductor" and (steps or any(liveness_model(states[c.graph_id], options) == "fx"
                                              for c in rec.calls)):
         model = "fx"
         if not steps:
             notes.append("Inductor's code was not captured; the fx graphs are used")
-    return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes)
+    return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes, rec.held)
 
 
 @dataclasses.dataclass(frozen=True)

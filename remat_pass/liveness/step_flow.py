@@ -32,15 +32,18 @@ AOTAutograd's runtime, ``torch/_functorch/_aot_autograd/runtime_wrappers.py``):
    from before the first backward to the end of the step; the loss itself is held by
    the caller to the end.
 6. Other outputs the caller does not keep (an HF model's logits after ``.loss``) die
-   when the user's forward returns, unless a graph saved them.
+   when the user's forward returns, unless a graph saved them. An output the caller
+   still held when the backward pass ended (``held``: the recorder's storage weak
+   references; ``out = model(...); out.loss.backward()`` keeps ``out.logits``) lives
+   to the end of the step.
 7. A parameter gradient is stolen into ``.grad`` and kept to the end of the step when
    ``.grad`` was None; when ``.grad`` exists (or an earlier backward of the step
    already set it) it is added in place and freed when its backward returns.
 
 Not modelled (listed in ``StepFlow.notes`` when seen): eager autograd ops between
-graphs, an output read by two graphs' backwards (autograd sums the gradients), the
-caller keeping more than the loss (``out = model(...); out.loss.backward()`` keeps
-every tensor of ``out``).
+graphs, an output read by two graphs' backwards (autograd sums the gradients), and
+held outputs kept past the step: a loop that rebinds ``out`` only when the next
+forward returns holds them through that forward (the note gives their bytes).
 """
 
 from __future__ import annotations
@@ -196,7 +199,8 @@ class _Places:
 
 
 def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
-              loss: tuple[int, int] | None = None) -> StepFlow:
+              loss: tuple[int, int] | None = None,
+              held: Sequence[tuple[int, int]] = ()) -> StepFlow:
     """The phases and tensors of a step of several graph calls (rules 1-7 above).
 
     Args:
@@ -204,6 +208,8 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
         backward_order: indices of the calls whose backward ran, in the order they ran.
         loss: ``(call, output)`` the caller holds through backward and calls backward
             on; default: output 0 of the last call.
+        held: ``(call, output)`` of the outputs the caller still held when the backward
+            pass ended (``step_recorder.RecordedStep.held``): live to the end of the step.
 
     Returns:
         The StepFlow (``composition.compose_step`` turns it into the timeline).
@@ -228,15 +234,25 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
                          "sums them (not modelled)")
     tensors: list[SpanTensor] = []
     for c, call in enumerate(calls):
-        tensors += _call_tensors(c, calls, at, consumers, loss)
+        tensors += _call_tensors(c, calls, at, consumers, loss, frozenset(held))
         if c in at.bw_phase:
             tensors += _tangents(c, calls, at, consumers, loss)
+    kept = [t for t in tensors if t.kind == "held output"]
+    if kept:
+        notes.append(f"the caller held {len(kept)} output(s) after backward ({_total(kept)} bytes, counted live to "
+                     "the end of the step); a loop that keeps them until the next forward returns (`out = "
+                     f"model(...)` rebinds only then) holds them through that forward too: up to {_total(kept)} "
+                     "bytes more there")
     return StepFlow(tuple(at.phases), tuple(tensors), tuple(notes))
+
+
+def _total(tensors: Sequence[SpanTensor]) -> Any:
+    return sum((t.nbytes for t in tensors[1:]), tensors[0].nbytes)
 
 
 def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
                   consumers: dict[tuple[int, int], list[tuple[int, int]]],
-                  loss: tuple[int, int]) -> list[SpanTensor]:
+                  loss: tuple[int, int], held: frozenset[tuple[int, int]]) -> list[SpanTensor]:
     """The call's own storages, re-timed where they cross (rules 1, 2, 3, 5-7)."""
     call, g = calls[c], calls[c].graph
     outputs: dict[int, list[int]] = {}
@@ -259,6 +275,8 @@ def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
             ks = outputs[sid]
             if any((c, k) == loss for k in ks):
                 end, kind = at.step_end, "loss"
+            elif any((c, k) in held for k in ks):
+                end, kind = at.step_end, "held output"
             else:
                 cons = [hp for k in ks for hp in consumers.get((c, k), [])]
                 end = max(end, at.forward_end)

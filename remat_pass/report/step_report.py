@@ -120,7 +120,7 @@ def _tensor_json(t: SpanTensor) -> dict[str, Any]:
 
 def build_step_report(step_index: int, model: str, calls: Sequence[GraphCall],
                       summaries: Sequence[CallSummary], backward_order: Sequence[int],
-                      notes: Sequence[str] = ()) -> StepReport:
+                      notes: Sequence[str] = (), held: Sequence[tuple[int, int]] = ()) -> StepReport:
     """Compose a step's graph calls (concrete sizes) into its StepReport.
 
     Args:
@@ -130,11 +130,12 @@ def build_step_report(step_index: int, model: str, calls: Sequence[GraphCall],
         summaries: one CallSummary per call.
         backward_order: indices of the calls whose backward ran, in run order.
         notes: what the caller already knows is not modelled (eager inputs, ...).
+        held: ``(call, output)`` the caller still held after backward (``step_flow``).
 
     Raises:
         ValueError: as ``step_flow.step_flow`` / ``composition.compose_step``.
     """
-    flow = step_flow(calls, backward_order)
+    flow = step_flow(calls, backward_order, held=held)
     composed = compose_step(flow.phases, flow.tensors)
     return StepReport(step_index, model, tuple(summaries), tuple(calls[c].label for c in backward_order),
                       composed, tuple(notes) + flow.notes)

@@ -438,3 +438,114 @@ def test_op_level_step_least_feasible_peak_fits():
     b, measured, grads_equal = _op_level_step(model, ids, least)
     assert b.reports[0].layers and b.reports[0].memory.peak_bytes > least
     assert measured <= least and b.step_report().peak_bytes == measured and grads_equal
+
+
+class HeldLogits(Breaky):
+    """Breaky returning ``(loss, logits)``: a caller that binds the result keeps the
+    logits alive through backward."""
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return _loss(logits, ids), logits
+
+
+def _bound_step(f, ids: torch.Tensor) -> None:
+    out = f(ids)  # the common loop: the result bound, backward on its loss
+    out[0].backward()
+
+
+def test_the_backend_keeps_no_activation_of_a_step():
+    """Dynamo hands the loss graph the real logits as its example input; the backend
+    keeps only their layout (for a recompile), so they are not alive after the step and
+    the first step is predicted as the later ones (nothing held but the loss)."""
+    torch.manual_seed(0)
+    model = Breaky()
+    ids = _ids()
+    b = remat_pass.backend("uniform", 1)
+    f = torch.compile(model, backend=b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        measured = _measured(model, lambda: f(ids).backward())
+    for state in b.graph_states.values():
+        kept = state.compiled.planned.captured.example_inputs
+        assert not [x for x in kept if type(x) is torch.Tensor]
+    assert [e.peak_bytes for e in b.step_log] == [measured] * 3
+
+
+@pytest.mark.parametrize("sched", [("uniform", 1), ("none", None)])
+def test_outputs_the_caller_holds_through_backward_are_predicted(sched):
+    """``out = model(ids); out[0].backward()`` keeps the logits alive through backward:
+    the step report counts them (predicted == measured to the byte) and its note gives
+    their bytes, which a loop that keeps ``out`` into the next forward adds there;
+    ``model(ids)[0].backward()`` drops them, with no note."""
+    torch.manual_seed(0)
+    model = HeldLogits(vocab=512)
+    ids = _ids(vocab=512)
+    peaks = {}
+    for bound in (False, True):
+        torch._dynamo.reset()
+        b = remat_pass.backend(*sched)
+        f = torch.compile(model, backend=b)
+        step = (lambda: _bound_step(f, ids)) if bound else (lambda: f(ids)[0].backward())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GraphBreakWarning)
+            measured = _measured(model, step)
+        report = b.step_report()
+        assert report.peak_bytes == measured
+        peaks[bound] = measured
+        logits = 2 * 32 * 512 * 4
+        held = [t for t in report.composed.tensors if t.kind == "held output"]
+        if bound:
+            assert [t.nbytes for t in held] == [logits]
+            assert len(report.notes) == 1 and f"({logits} bytes" in report.notes[0]
+        else:
+            assert not held and report.notes == ()
+    assert peaks[True] > peaks[False]
+
+
+def test_a_budget_counts_the_outputs_the_caller_holds():
+    """The step planner plans against the step as it ran: with the logits held, the
+    optimized schedule at a budget between uniform K=1's and none's held-logits peaks is
+    measured within the budget and as predicted."""
+    torch.manual_seed(0)
+    model = HeldLogits(layers=4, vocab=512)
+    ids = _ids(vocab=512)
+    measured = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        for sched in [("none", None), ("uniform", 1)]:
+            torch._dynamo.reset()
+            f = torch.compile(model, backend=remat_pass.backend(*sched))
+            measured[sched[0]] = _measured(model, lambda: _bound_step(f, ids))
+        budget = (measured["uniform"] + measured["none"]) // 2
+        torch._dynamo.reset()
+        b = remat_pass.backend("optimized", budget_bytes=budget)
+        f = torch.compile(model, backend=b)
+        peak = _measured(model, lambda: _bound_step(f, ids))
+    assert peak <= budget and b.step_report().peak_bytes == peak
+
+
+@pytest.mark.slow
+def test_gpt2_output_held_by_the_caller_is_predicted():
+    """transformers' GPT-2 (one break at the loss): ``out = model(...);
+    out.loss.backward()`` keeps ``out.logits`` (and the key/value outputs) through
+    backward; the step report predicts the step to the byte and says what is held."""
+    model, _, _ = small_gpt2(layers=2, dropout=0.0)
+    ids = _ids(vocab=256)
+    b = remat_pass.backend("uniform", 1)
+    f = torch.compile(model, backend=b)
+
+    def step():
+        out = f(input_ids=ids, labels=ids)
+        out.loss.backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphBreakWarning)
+        measured = _measured(model, step)
+    report = b.step_report()
+    held = [t for t in report.composed.tensors if t.kind == "held output"]
+    assert report.peak_bytes == measured
+    assert 2 * 32 * 256 * 4 in [t.nbytes for t in held] and "caller held" in report.notes[0]
