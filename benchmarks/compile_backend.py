@@ -24,8 +24,11 @@ two warm-up steps at that shape; the seed is set before every step (dropout). St
 time: median of ``--repeats`` steps over eager's. Gradients: against eager's, bitwise
 or the largest absolute difference.
 
+``--bound``: GPT-2's step keeps the model's whole result until its backward returned
+(``out = model(...); out.loss.backward()``), the logits and key/values held.
+
 Usage: ``python benchmarks/compile_backend.py [--models gpt2,tiny --compilers eager
---batches 4 --dynamic --bf16 --repeats 3 --json out.json]``
+--batches 4 --dynamic --bf16 --bound --repeats 3 --json out.json]``
 """
 
 from __future__ import annotations
@@ -73,11 +76,19 @@ def make_model(name: str, batch: int, dropout: float | None) -> tuple[nn.Module,
     return model, inputs_of
 
 
-def loss_fn(name: str, bf16: bool) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    def loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def backward(result: Any) -> None:
+    """``result.backward()`` for a loss; for a model's whole result (``--bound``), its
+    loss's, with the result held by this frame until backward returns (``out =
+    model(...); out.loss.backward()``: ``out.logits`` and the key/values stay alive)."""
+    (result if isinstance(result, torch.Tensor) else result.loss).backward()
+
+
+def loss_fn(name: str, bf16: bool, bound: bool = False) -> Callable[[nn.Module, torch.Tensor], Any]:
+    def loss(model: nn.Module, ids: torch.Tensor) -> Any:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if name == "gpt2":
-                return model(input_ids=ids, labels=ids).loss
+                out = model(input_ids=ids, labels=ids)
+                return out if bound else out.loss
             logits = model(ids)
             return F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
 
@@ -116,7 +127,7 @@ def run(model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor], ids_of: 
             for p in params:
                 p.grad = None
             torch.manual_seed(1)
-            step(ids).backward()
+            backward(step(ids))
 
         with during if during is not None else torch.enable_grad():
             once()
@@ -131,7 +142,7 @@ def run(model: nn.Module, step: Callable[[torch.Tensor], torch.Tensor], ids_of: 
 
         def measured() -> None:
             torch.manual_seed(1)
-            step(ids).backward()
+            backward(step(ids))
 
         peak, _ = profiled_peak_cpu(measured)
         out.append({"batch": batch, "peak_bytes": peak, "step_s": statistics.median(times),
@@ -153,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--references", default="budget:0.5,checkpoint",
                     help="aot_eager activation_memory_budget values (eager) and Inductor+checkpoint")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bound", action="store_true",
+                    help="gpt2: the step keeps the model's result through backward (out = model(...); "
+                         "out.loss.backward())")
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
     return ap
@@ -213,11 +227,12 @@ def _model_rows(args: argparse.Namespace, name: str, batches: list[int]) -> list
     """One model's rows: eager (the reference), then per compiler the remat schedules,
     the optimized budgets (static shapes) and the references."""
     base, ids_of = make_model(name, batches[0], args.dropout)
-    loss = loss_fn(name, args.bf16)
+    loss = loss_fn(name, args.bf16, args.bound)
     torch._dynamo.reset()
     ref_model = copy.deepcopy(base)
     eager = run(ref_model, lambda ids: loss(ref_model, ids), ids_of, batches, args.repeats)
-    tag = f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
+    tag = (f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
+           + (" bound" if args.bound and name == "gpt2" else ""))
     bench = _Bench(args, name, tag, base, ids_of, loss, batches, {r["batch"]: r for r in eager})
     bench.add("-", "eager", eager, {})
     for compiler in args.compilers.split(","):
