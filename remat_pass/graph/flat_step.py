@@ -88,7 +88,13 @@ def bind_tensors(model: torch.nn.Module, replace: dict[int, torch.Tensor]) -> It
 
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a step's example inputs: a tensor (one positional
+    argument), a tuple / list (positional) or a dict (keyword arguments).
+
+    Raises:
+        TypeError: anything else.
+    """
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, dict):
@@ -203,7 +209,7 @@ def flatten_step(model: torch.nn.Module, example_inputs: Any, loss_fn: LossFn | 
     """
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} is not one of {OUTPUTS}")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     originals = [*params.values(), *buffers.values()]

@@ -31,7 +31,7 @@ from ..errors import UnsupportedGraph
 from .collective_release import released_by_collective_thread
 from ..graph.buffer_updates import updated_buffers
 from .quiet import collector_paused as _collector_paused, quiet_stderr as _quiet_stderr
-from ..graph.flat_step import _split_inputs, extract_loss
+from ..graph.flat_step import split_inputs, extract_loss
 from ..graph.op_signature import RealLayout, op_call, value_argument
 from ..recompute.rewrite import RewrittenStep
 from ..graph.trace import JointGraph, RealLayouts
@@ -246,7 +246,7 @@ def eager_grads(
     restored afterwards, and so are the buffers the step writes in place (BatchNorm's
     running statistics in train mode), so the model is left as it was.
     """
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     params = list(model.parameters())
     stash = [p.grad for p in params]
     buffers = [(b, b.clone()) for b in model.buffers() if not (b.is_meta or b.is_inference())]

@@ -130,11 +130,17 @@ class Calibrator:
 
         A ``"cuda"`` allocator gets the table-only model: calibration runs on the CPU.
         """
+        return self.memory_model_of(step_nodes(steps), allocator, threads)
+
+    def memory_model_of(self, nodes: Iterable[fx.Node], allocator: str = "cpu",
+                        threads: int | None = None) -> MemoryModel:
+        """As ``memory_model``, for the op nodes of any fx graph (an eager step's
+        recording, ``graph/eager_trace``)."""
         threads = threads or torch.get_num_threads()
         base = MemoryModel.table_only(allocator, threads)
         if allocator != "cpu":
             return base
-        keys = self.calibrate(step_nodes(steps), threads)
+        keys = self.calibrate(nodes, threads)
         return base.with_calibration({k: self._entries[k] for k in keys if k in self._entries},
                                      {k: self._failed[k] for k in keys if k in self._failed})
 

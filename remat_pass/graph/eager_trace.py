@@ -1,0 +1,292 @@
+"""The user's eager training step as it runs, op by op, without the rewrite: which
+storage each op allocates and when each storage dies.
+
+``record_eager_step`` runs the model's forward, its loss and ``loss.backward()`` as the
+user's own code runs them (their in-place ops, ``torch.utils.checkpoint``, autograd's
+saved tensors and the order its engine frees them), on fake tensors: parameters copied
+into a ``FakeTensorMode`` (``FakeCopyMode``), so nothing is computed and any size can be
+recorded. A ``TorchDispatchMode`` sees every aten op the step dispatches, forward and
+backward (the CPU autograd engine runs on the calling thread), as PyTorch's
+``torch.distributed._tools.mem_tracker`` does:
+
+- each output storage not seen before is allocated by that op;
+- a weak reference to every storage (``StorageWeakRef``, which keeps no bytes alive) is
+  checked before each op: a storage found dead died after the previous op;
+- a storage an op reads that no op of the step made existed before the step
+  (parameters, the batch): static, not counted;
+- ``torch.get_rng_state``, which allocates its CPU state tensor (5,056 bytes) without
+  a dispatched op, is wrapped while the step is recorded (``torch.utils.checkpoint``
+  stashes the state per checkpointed call, ``preserve_rng_state=True``).
+
+Each op also becomes a node of an fx graph (``EagerTrace.graph``), its ``meta["val"]``
+a stand-in of its output in a separate fake mode (the same layout and storage sharing,
+so holding it keeps none of the recorded storages alive): the op signatures that
+calibration and the scratch table read (``graph/op_signature``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..errors import RematError
+from .flat_step import LossFn, extract_loss, split_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerStorage:
+    """One storage the step allocated.
+
+    Attributes:
+        nbytes: its size (the fake storage's ``nbytes``, as the eager op allocates it).
+        allocated_at: index of the op that allocated it.
+        output: which tensor output of that op it is (pytree order); -1: a wrapped
+            number of the op that autograd saved.
+        freed_before: index of the first op run after it died; the number of ops when it
+            died after the last op; None when it is still alive after the step (a
+            parameter's ``.grad``, the loss, what the caller keeps).
+        node: the fx node of the op output holding it.
+    """
+
+    nbytes: int
+    allocated_at: int
+    output: int
+    freed_before: int | None
+    node: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerTrace:
+    """An eager step recorded op by op.
+
+    Attributes:
+        graph: one fx node per op in run order (placeholders for static tensors).
+        op_nodes: the node of each op, in run order (``EagerStorage.allocated_at``
+            indexes it).
+        storages: every storage the step allocated.
+    """
+
+    graph: fx.Graph
+    op_nodes: tuple[fx.Node, ...]
+    storages: tuple[EagerStorage, ...]
+
+
+WRAPPED_NUMBER_BYTES = "eager_wrapped_number_bytes"
+"""``node.meta`` key: bytes of the wrapped numbers eager Python makes for the op."""
+
+
+def wrapped_numbers(func: Any, args: tuple, kwargs: dict) -> dict[str, int]:
+    """Argument name -> bytes of each 0-dim tensor PyTorch's Python argument parser
+    makes for a Python number passed where the op's schema takes a Tensor (``x * 0.5``
+    calls ``aten.mul.Tensor``; a wrapped number: int64 / double, complex128,
+    ``torch/csrc/utils/python_arg_parser.cpp``). It is allocated before the op is
+    dispatched and freed after it returns, unless autograd saves it (``mul`` saves
+    ``other``: ``grad_fn._saved_other``) until the op's backward. An fx graph run node
+    by node passes the number as is, and calibration does not see them."""
+    out: dict[str, int] = {}
+    schema = getattr(func, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, (bool, int, float, complex)) and "Tensor" in str(arg.type):
+            out[arg.name] = 16 if isinstance(value, complex) else 8
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """The dispatch mode of ``record_eager_step`` (see the module docstring)."""
+
+    def __init__(self, shadow: FakeTensorMode):
+        super().__init__()
+        self.shadow = shadow
+        self.graph = fx.Graph()
+        self.node_of: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.ops: list[fx.Node] = []
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl -> (ref, storage id)
+        self.static: dict[int, StorageWeakRef] = {}
+        self.records: list[list[Any]] = []  # per storage id: [nbytes, allocated_at, output, freed_before, node]
+        self.ordinal = 0
+        self.shadow_storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+        self.busy = False
+        self.pending: tuple | None = None  # an op with wrapped numbers whose grad_fn is not set yet
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.busy or func.namespace == "prim":
+            return func(*args, **kwargs)
+        self.poll()
+        index = len(self.ops)
+        self.ordinal = 0
+        fx_args, fx_kwargs = tree_map(self._arg, (args, kwargs))
+        self.busy = True
+        try:
+            out = func(*args, **kwargs)
+            node = self.graph.call_function(func, tuple(fx_args), dict(fx_kwargs))
+            wrapped = wrapped_numbers(func, args, kwargs)
+            node.meta[WRAPPED_NUMBER_BYTES] = sum(wrapped.values())
+            if wrapped and isinstance(out, torch.Tensor):
+                self.pending = (node, weakref.ref(out), wrapped, index)
+            node.meta["val"] = tree_map(lambda o: self._stand_in(o, index, node.name), out)
+        finally:
+            self.busy = False
+        self.ops.append(node)
+        if isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    item = self.graph.call_function(operator.getitem, (node, i))
+                    item.meta["val"] = node.meta["val"][i]
+                    self.node_of[o] = item
+        elif isinstance(out, torch.Tensor):
+            self.node_of[out] = node
+        return out
+
+    def external(self, fn: Callable[..., Any], out: torch.Tensor) -> None:
+        """A tensor made without a dispatched op (``torch.get_rng_state``, which
+        ``torch.utils.checkpoint`` calls to stash the RNG state): one more op node."""
+        self.poll()
+        index = len(self.ops)
+        self.ordinal = 0
+        node = self.graph.call_function(fn, ())
+        self.busy = True
+        try:
+            node.meta["val"] = self._stand_in(out, index, node.name)
+        finally:
+            self.busy = False
+        self.ops.append(node)
+        self.node_of[out] = node
+
+    def poll(self) -> None:
+        """Storages found dead: freed before the op about to run."""
+        if self.pending is not None:
+            self._saved_wrapped_numbers(*self.pending)
+            self.pending = None
+        for key in [k for k, (ref, _) in self.alive.items() if ref.expired()]:
+            _, sid = self.alive.pop(key)
+            self.records[sid][3] = len(self.ops)
+        for key in [k for k, ref in self.static.items() if ref.expired()]:
+            del self.static[key]
+
+    def _saved_wrapped_numbers(self, node: fx.Node, out: Any, wrapped: dict[str, int], index: int) -> None:
+        """The wrapped numbers of op ``index`` that its autograd node saved: storages of
+        that op, alive until autograd releases them; the others are its scratch."""
+        t = out()
+        grad_fn = t.grad_fn if t is not None else None
+        for name in wrapped:
+            saved = getattr(grad_fn, f"_saved_{name}", None)
+            if not isinstance(saved, torch.Tensor) or saved.dim() != 0:
+                continue
+            st = saved.untyped_storage()
+            if st._cdata in self.alive or st._cdata in self.static:
+                continue
+            self.alive[st._cdata] = (StorageWeakRef(st), len(self.records))
+            self.records.append([st.nbytes(), index, -1, None, f"{node.name}.{name} (wrapped number)"])
+            node.meta[WRAPPED_NUMBER_BYTES] -= wrapped[name]
+
+    def _arg(self, a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        node = self.node_of.get(a)
+        if node is not None:
+            return node
+        st = a.untyped_storage()
+        if st._cdata not in self.alive and st._cdata not in self.static:
+            self.static[st._cdata] = StorageWeakRef(st)
+        self.busy = True
+        try:
+            node = self.graph.placeholder(f"static_{len(self.graph.nodes)}")
+            node.meta["val"] = self._stand_in(a, None, node.name)
+        finally:
+            self.busy = False
+        self.node_of[a] = node
+        return node
+
+    def _stand_in(self, t: Any, index: int | None, name: str) -> Any:
+        """A tensor of the shadow mode laid out as ``t`` on a shadow of its storage; a
+        storage first seen as an output of op ``index`` is recorded as allocated."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        ordinal = self.ordinal
+        if index is not None:
+            self.ordinal += 1
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.alive:
+            sid = self.alive[key][1]
+        elif key in self.static or index is None:
+            sid = -1 - len(self.shadow_storages)
+            self.static.setdefault(key, StorageWeakRef(st))
+        else:
+            sid = len(self.records)
+            self.records.append([st.nbytes(), index, ordinal, None, name])
+            self.alive[key] = (StorageWeakRef(st), sid)
+        shadow_key = ("step", sid) if sid >= 0 else ("static", key)
+        with self.shadow:
+            if shadow_key not in self.shadow_storages:
+                self.shadow_storages[shadow_key] = torch.empty(st.nbytes(), dtype=torch.uint8,
+                                                               device=t.device).untyped_storage()
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                self.shadow_storages[shadow_key], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def trace(self) -> EagerTrace:
+        """The recording so far (storages alive now have ``freed_before`` None)."""
+        storages = tuple(EagerStorage(*r) for r in self.records)
+        return EagerTrace(self.graph, tuple(self.ops), storages)
+
+
+def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None) -> EagerTrace:
+    """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on fake
+    copies of the model and inputs (the model itself is not run or changed; its
+    ``.grad``s stay as they are).
+
+    Args:
+        model: the module as the user runs it (its own checkpointing included), on CPU
+            or the meta device.
+        inputs: a tensor, the forward's positional arguments or a dict of keyword
+            arguments (``flat_step.split_inputs``; tensors are faked).
+        loss_fn: the model's output -> a scalar loss; None: the output is the loss or
+            has ``.loss`` (``flat_step.extract_loss``).
+
+    Returns:
+        The EagerTrace: every op (forward, loss, backward) with the storages it
+        allocates and when each dies; ``.grad`` of the copies is None before the step.
+
+    Raises:
+        RematError: an op cannot run on fake tensors (a data-dependent ``.item()``,
+            an op with no meta function), with the op's error.
+    """
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # a loss_fn may close over real targets
+    with FakeCopyMode(fake):
+        fake_model = copy.deepcopy(model)
+    for p in fake_model.parameters():
+        p.grad = None
+    args, kwargs = split_inputs(inputs)
+    args, kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    get_rng_state = torch.get_rng_state
+
+    def stashed_rng_state() -> torch.Tensor:
+        state = get_rng_state()
+        recorder.external(get_rng_state, state)
+        return state
+
+    torch.get_rng_state = stashed_rng_state
+    try:
+        with fake, recorder:
+            extract_loss(fake_model(*args, **kwargs), loss_fn).backward()
+            del args, kwargs
+            recorder.poll()  # what died by the end of backward; the .grads live on
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise RematError(f"the eager step could not run on fake tensors: {type(e).__name__}: {e}") from e
+    finally:
+        torch.get_rng_state = get_rng_state
+    return recorder.trace()

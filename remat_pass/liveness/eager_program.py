@@ -1,0 +1,91 @@
+"""The peak of the user's eager step (``graph/eager_trace``): every storage from the op
+that allocates it to the op before which it was found dead, sized by the memory model
+(allocator bytes, the real size of an op's outputs, the op's scratch), one sweep.
+
+An op's step holds what is live before it, its new outputs and its scratch (the
+calibration's rule: ``memory/calibration``), as the liveness of a rewritten step does
+(``liveness/timeline``), plus the wrapped numbers eager Python makes for it
+(``eager_trace.wrapped_numbers``). What this leaves out is said in ``EagerPeak.notes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch._ops import OpOverload
+
+from ..graph.eager_trace import WRAPPED_NUMBER_BYTES, EagerTrace
+from ..memory.memory_model import MemoryModel
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerPeak:
+    """The predicted peak of one eager step, above what existed before it.
+
+    Attributes:
+        peak_bytes: the peak (bytes): storages live at the peak op plus its scratch.
+        peak_op: the op at the peak (``"aten.mm.default"``) and its node name.
+        peak_index: its index in run order.
+        scratch_bytes: the scratch counted at the peak op.
+        live_at_peak: ``(node, bytes)`` of the storages live there, largest first.
+        held_after_bytes: what is still alive after backward (the ``.grad`` of each
+            parameter; activations the step keeps).
+        ops: how many ops ran.
+        notes: what the figure leaves out (empty: nothing).
+    """
+
+    peak_bytes: int
+    peak_op: str
+    peak_index: int
+    scratch_bytes: int
+    live_at_peak: tuple[tuple[str, int], ...]
+    held_after_bytes: int
+    ops: int
+    notes: tuple[str, ...]
+
+
+def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
+    """The EagerPeak of ``trace`` on ``memory``'s device.
+
+    Raises:
+        ValueError: an empty trace (no op ran).
+    """
+    n = len(trace.op_nodes)
+    if not n:
+        raise ValueError("the eager step ran no op")
+    node_mem = [memory.node_memory(node) for node in trace.op_nodes]
+    sizes = []
+    for s in trace.storages:
+        nm = node_mem[s.allocated_at]
+        real = nm.output_storage_bytes if nm is not None else None
+        nbytes = real[s.output] if real is not None and 0 <= s.output < len(real) and real[s.output] else s.nbytes
+        sizes.append(memory.allocator_bytes(nbytes))
+    allocated: list[list[int]] = [[] for _ in range(n)]
+    freed: list[list[int]] = [[] for _ in range(n + 1)]
+    for sid, s in enumerate(trace.storages):
+        allocated[s.allocated_at].append(sid)
+        if s.freed_before is not None:
+            freed[s.freed_before].append(sid)
+    live, best, at, scratch_at = 0, -1, 0, 0
+    alive: set[int] = set()
+    uncounted = 0
+    for i in range(n):
+        for sid in freed[i]:
+            live -= sizes[sid]
+            alive.discard(sid)
+        for sid in allocated[i]:
+            live += sizes[sid]
+            alive.add(sid)
+        nm = node_mem[i]
+        scratch = (nm.scratch_bytes if nm is not None else 0) + trace.op_nodes[i].meta.get(WRAPPED_NUMBER_BYTES, 0)
+        uncounted += nm is not None and nm.source == "none" and isinstance(trace.op_nodes[i].target, OpOverload)
+        if live + scratch > best:
+            best, at, scratch_at = live + scratch, i, scratch
+            at_peak = set(alive)
+    held = sum(sizes[sid] for sid, s in enumerate(trace.storages) if s.freed_before is None)
+    node = trace.op_nodes[at]
+    top = sorted(((trace.storages[sid].node, sizes[sid]) for sid in at_peak), key=lambda x: -x[1])
+    notes = ()
+    if uncounted:
+        notes = (f"{uncounted} ops have no scratch figure (not calibrated, not in the table): 0 bytes assumed",)
+    return EagerPeak(best, f"{node.target} ({node.name})", at, scratch_at, tuple(top), held, n, notes)

@@ -1,0 +1,86 @@
+"""The user's eager program predicted without the rewrite: recorded on fake tensors op
+by op (``graph/eager_trace``), swept by ``liveness/eager_program``, against the real
+eager step under the profiler, with the setting applied as users apply it
+(``torch.utils.checkpoint`` per layer, transformers' ``gradient_checkpointing_enable``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from remat_pass.errors import RematError
+from remat_pass.evaluate.eager_program import CheckpointedLayer, eager_program, with_checkpoints
+from remat_pass.graph.eager_trace import record_eager_step
+from remat_pass.models import tiny_gpt
+from remat_pass.recompute import schedule as schedules
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch threads = 1
+
+
+def _settings(layers: int) -> list[schedules.Schedule]:
+    return [schedules.none(layers), schedules.uniform(1, layers), schedules.block(2, layers)]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_tiny_gpt_eager_program_is_predicted_to_the_byte(use_reentrant):
+    """TinyGPT with dropout, its loss outside the model: none, per-layer checkpoint
+    (uniform K=1) and block N=2 (each checkpoint stashes the CPU RNG state, 5,056
+    bytes, without a dispatched op), reentrant or not."""
+    model, (ids,), loss_fn = tiny_gpt(batch=2, seq=32, layers=3, hidden=64, heads=2, vocab=128, dropout=0.1)
+    for sch in _settings(3):
+        r = eager_program(model, (ids,), loss_fn, sch, use_reentrant=use_reentrant)
+        assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r)
+        assert r.predicted.notes == ()
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("t5", marks=pytest.mark.slow)])
+def test_transformers_eager_program_is_predicted_to_the_byte(family):
+    """transformers' Llama and T5 (loss inside the model; the checkpoint their own
+    ``gradient_checkpointing_enable`` per layer). Their ``x * scaling`` saves a wrapped
+    number for backward (``MulBackward0._saved_other``), which no dispatched op makes."""
+    from remat_pass.models import hf_families
+
+    model, inputs, loss_fn = getattr(hf_families, family)()
+    stack = "model.layers" if family == "llama" else "encoder.block"
+    layers = len(model.get_submodule(stack))
+    for sch in [schedules.none(layers), schedules.uniform(1, layers)]:
+        r = eager_program(model, inputs, loss_fn, sch, layers=stack)
+        assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r)
+
+
+def test_the_recording_leaves_the_model_as_it_was():
+    """The step is recorded on fake copies: the model's parameters and ``.grad`` are
+    untouched, and the trace has every op of forward, loss and backward."""
+    model, (ids,), loss_fn = tiny_gpt(batch=2, seq=16, layers=2, hidden=32, heads=2, vocab=64)
+    before = [p.detach().clone() for p in model.parameters()]
+    trace = record_eager_step(model, (ids,), loss_fn)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    targets = {str(n.target) for n in trace.op_nodes}
+    assert {"aten.mm.default", "aten._log_softmax_backward_data.default"} <= targets
+    grads = [s for s in trace.storages if s.freed_before is None]
+    assert sum(s.nbytes for s in grads) >= sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_settings_users_cannot_apply_per_layer_are_refused():
+    """Groups of several layers need the model's own loop: refused, naming what is
+    supported; a schedule for another stack length is refused."""
+    model, _, _ = tiny_gpt(batch=2, seq=16, layers=4, hidden=32, heads=2, vocab=64)
+    with pytest.raises(RematError, match="single-layer groups"):
+        with_checkpoints(model, schedules.uniform(2, 4))
+    with pytest.raises(RematError, match="is for 3 layers"):
+        with_checkpoints(model, schedules.uniform(1, 3))
+    wrapped = with_checkpoints(model, schedules.block(1, 4))
+    assert [type(b).__name__ for b in wrapped.blocks] == ["CheckpointedLayer", "Block", "Block", "Block"]
+    assert not isinstance(model.blocks[0], CheckpointedLayer)
+
+
+class Scalar(nn.Module):
+    def forward(self, x):
+        return (x.item() * x).sum()
+
+
+def test_a_step_that_cannot_run_on_fake_tensors_is_refused():
+    with pytest.raises(RematError, match="could not run on fake tensors"):
+        record_eager_step(Scalar(), (torch.ones(()),), None)
