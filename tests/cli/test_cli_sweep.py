@@ -57,3 +57,27 @@ def _factory_module(tmp_path, monkeypatch):
         "    return m, (torch.randn(2, 4),), lambda y: y.sum()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--program", "eager", "--meta"], "--program eager does not go with --meta"),
+    (["--reentrant"], "--reentrant goes with --program eager"),
+])
+def test_program_eager_refusals(argv, words, capsys):
+    """What the eager program cannot do yet is refused before tracing, exit 2."""
+    assert main(["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_program_eager_prints_the_eager_program_beside_the_rewrite(capsys):
+    """``sweep --program eager``: a row per single-layer setting with the eager program
+    predicted and measured (equal), the rewrite's prediction and the difference."""
+    argv = ["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--batch", "2", "--seq", "16",
+            "--program", "eager", "--reentrant"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("the eager program"):].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip()}
+    assert set(rows) == {"none", "uniform(K=1)", "block(N=0)", "block(N=1)", "block(N=2)"}
+    assert all(r[0] == r[1] for r in rows.values())  # eager predicted == measured (MiB)

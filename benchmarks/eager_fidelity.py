@@ -1,0 +1,120 @@
+"""The user's eager program against the rewritten step, per recompute setting.
+
+For each model (``tiny``: TinyGPT with dropout 0.1, loss outside the model; ``gpt2``: a
+3-layer transformers GPT-2 with dropout 0.1; ``llama`` and ``t5`` from
+``remat_pass.models.hf_families``), and each setting (``none``, uniform K=1, block N=1
+.. L-1):
+
+- eager measured: the real eager step (the model as written, the setting applied as
+  users apply it: transformers' ``gradient_checkpointing_enable`` per layer, else
+  ``torch.utils.checkpoint`` per layer; ``--reentrant`` for ``use_reentrant=True``)
+  under the allocator profiler, its peak above the start of the step;
+- eager predicted: the same step recorded on fake tensors
+  (``remat_pass.evaluate.eager_program``);
+- rewrite measured / predicted: this project's rewrite of the traced step under the
+  same setting (``Session.evaluate``), gradients against the un-rewritten step.
+
+The summary line per model says whether eager predicted == measured in every row,
+whether the rewrite used at most eager's memory in every row, and the least-memory
+setting of each. CPU, fp32, 1 thread. Megatron-Core's own recompute and groups of
+several layers (uniform K > 1) are not in it yet.
+
+Usage: ``python benchmarks/eager_fidelity.py [--models tiny,gpt2,llama,t5 --reentrant --json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's remat_pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+
+from remat_pass.evaluate.eager_program import eager_program  # noqa: E402
+from remat_pass.evaluate.session import Session  # noqa: E402
+from remat_pass.formatting import text_table  # noqa: E402
+from remat_pass.models import hf_families, tiny_gpt  # noqa: E402
+from remat_pass.recompute import schedule as schedules  # noqa: E402
+
+MODELS = ("tiny", "gpt2", "llama", "t5")
+
+
+def build(name: str) -> tuple[Any, Any, Any, str]:
+    """``(model, inputs, loss_fn, stack path)``."""
+    if name == "tiny":
+        model, inputs, loss_fn = tiny_gpt(batch=4, seq=64, layers=4, hidden=128, heads=4, vocab=256, dropout=0.1)
+        return model, inputs, loss_fn, "blocks"
+    if name == "gpt2":
+        from small_models import small_gpt2
+
+        model, inputs, loss_fn = small_gpt2(layers=3, dropout=0.1)
+        return model, inputs, loss_fn, "transformer.h"
+    model, inputs, loss_fn = getattr(hf_families, name)()
+    return model, inputs, loss_fn, "model.layers" if name == "llama" else "encoder.block"
+
+
+def rows_of(name: str, reentrant: bool) -> list[dict[str, Any]]:
+    model, inputs, loss_fn, stack = build(name)
+    layers = len(model.get_submodule(stack))
+    settings = [schedules.none(layers), schedules.uniform(1, layers)]
+    settings += [schedules.block(n, layers) for n in range(1, layers)]
+    session = Session.create(model, inputs, loss_fn, layers=stack)
+    rows = []
+    for sch in settings:
+        eager = eager_program(model, inputs, loss_fn, sch, layers=stack, use_reentrant=reentrant)
+        rewrite = session.evaluate(sch)
+        rows.append({"model": name, "setting": sch.provenance,
+                     "eager_measured": eager.measured_peak_bytes, "eager_predicted": eager.predicted.peak_bytes,
+                     "rewrite_measured": rewrite.measured_peak_bytes, "rewrite_predicted": rewrite.predicted_peak_bytes,
+                     "rewrite_grads_equal": rewrite.grads_equal, "eager_notes": list(eager.predicted.notes)})
+        print(f"row: {rows[-1]}", flush=True)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    exact = all(r["eager_predicted"] == r["eager_measured"] for r in rows)
+    never_worse = all(r["rewrite_measured"] <= r["eager_measured"] for r in rows)
+    least_eager = min(rows, key=lambda r: r["eager_measured"])["setting"]
+    least_rewrite = min(rows, key=lambda r: r["rewrite_measured"])["setting"]
+    return (f"{rows[0]['model']}: eager predicted == measured in {'every' if exact else 'NOT every'} row; "
+            f"rewrite <= eager in {'every' if never_worse else 'NOT every'} row; least memory: eager "
+            f"{least_eager}, rewrite {least_rewrite}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--reentrant", action="store_true", help="torch.utils.checkpoint(use_reentrant=True)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"--models: {unknown} not among {list(MODELS)}")
+    torch.set_num_threads(1)
+    rows, lines = [], []
+    for name in names:
+        mine = rows_of(name, args.reentrant)
+        rows += mine
+        lines.append(summary(mine))
+    mib = 2 ** 20
+    print(text_table(["model", "setting", "eager measured MiB", "eager predicted MiB", "rewrite measured MiB",
+                      "rewrite predicted MiB", "rewrite/eager", "grads"],
+                     [[r["model"], r["setting"], f"{r['eager_measured'] / mib:.4f}", f"{r['eager_predicted'] / mib:.4f}",
+                       f"{r['rewrite_measured'] / mib:.4f}", f"{r['rewrite_predicted'] / mib:.4f}",
+                       f"{r['rewrite_measured'] / r['eager_measured']:.3f}",
+                       "bitwise" if r["rewrite_grads_equal"] else "DIFFER"] for r in rows]))
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"torch": torch.__version__, "reentrant": args.reentrant, "rows": rows}, fh, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

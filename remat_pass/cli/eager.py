@@ -1,0 +1,83 @@
+"""``sweep --program eager``: the user's eager program next to the rewrite, per setting
+(``evaluate/eager_program``): the model as written, with ``torch.utils.checkpoint`` (or
+transformers' own ``gradient_checkpointing_enable``) around each recomputed layer,
+predicted from its recording on fake tensors and measured; the rewrite's predicted
+peak beside it and the difference."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..errors import RematError
+from ..evaluate.eager_program import eager_program
+from ..evaluate.schedule_result import ScheduleResult
+from ..evaluate.workload import Workload
+from ..formatting import mib, text_table
+from ..recompute import schedule as schedules
+
+
+def add_program_args(p: argparse.ArgumentParser) -> None:
+    """Add ``--program`` and ``--reentrant``."""
+    g = p.add_argument_group("the user's eager program")
+    g.add_argument("--program", choices=("rewrite", "eager"), default="rewrite",
+                   help="eager: also predict and measure the model as written, each recomputed layer under "
+                        "torch.utils.checkpoint (a transformers model: its gradient_checkpointing_enable), "
+                        "next to the rewrite (default: %(default)s)")
+    g.add_argument("--reentrant", action="store_true",
+                   help="with --program eager: torch.utils.checkpoint(use_reentrant=True)")
+
+
+def check_program_args(args: argparse.Namespace) -> None:
+    """Refuse ``--program eager`` where it cannot run yet, before tracing.
+
+    Raises:
+        ValueError: with --meta / --config without weights, a per-rank or op-level
+            sweep, or --reentrant without --program eager.
+    """
+    if getattr(args, "program", "rewrite") != "eager":
+        if getattr(args, "reentrant", False):
+            raise ValueError("--reentrant goes with --program eager")
+        return
+    for flag, given in (("--meta", getattr(args, "meta", False)), ("--tp/--pp/--fsdp", _parallel(args)),
+                        ("--selective/--recompute-modules/--policy",
+                         args.selective or args.recompute_modules or args.policy)):
+        if given:
+            raise ValueError(f"--program eager does not go with {flag} yet: the eager program is recorded and "
+                             "measured on this CPU with the model's weights, one device, whole-layer settings")
+
+
+def _parallel(args: argparse.Namespace) -> bool:
+    return any((getattr(args, a, None) or 1) > 1 for a in ("tp", "pp", "fsdp"))
+
+
+def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[schedules.Schedule],
+                      results: Sequence[ScheduleResult]) -> bool:
+    """The eager program's rows under the sweep's table; False when an eager row's
+    prediction differs from its measurement."""
+    step = w.step
+    if len(step.stack.stacks) > 1:
+        print(f"--program eager: {len(step.stack.stacks)} layer stacks; the eager program is recorded for one "
+              "stack (name it with --stack)", file=sys.stderr)
+        return True
+    rows, exact = [], True
+    for sched, r in zip(todo, results):
+        if any(len(g) > 1 for g in sched.groups):
+            continue
+        try:
+            e = eager_program(step.model, step.example_inputs, step.loss_fn, sched, layers=step.stack.path,
+                              use_reentrant=args.reentrant)
+        except RematError as err:
+            print(f"--program eager: {sched.provenance}: {err}", file=sys.stderr)
+            return False
+        exact = exact and e.predicted.peak_bytes == e.measured_peak_bytes
+        diff = r.predicted_peak_bytes - e.predicted.peak_bytes
+        rows.append([sched.provenance, mib(e.predicted.peak_bytes), mib(e.measured_peak_bytes),
+                     mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
+    print("\nthe eager program (the model as written, torch.utils.checkpoint per recomputed layer"
+          f"{', reentrant' if args.reentrant else ''}) against the rewrite; uniform K > 1 needs the model's own loop "
+          "and is left out:")
+    print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
+                      "rewrite - eager MiB"], rows))
+    return exact
