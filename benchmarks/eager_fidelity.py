@@ -2,7 +2,9 @@
 
 For each model (``tiny``: TinyGPT with dropout 0.1, loss outside the model; ``gpt2``: a
 3-layer transformers GPT-2 with dropout 0.1; ``llama`` and ``t5`` from
-``remat_pass.models.hf_families``), and each setting (``none``, uniform K=1, block N=1
+``remat_pass.models.hf_families``; ``mcore`` / ``mcore-32k``: Megatron-Core's GPTModel,
+4 layers, hidden 128, vocabulary 512 / 32768, dropout 0.1, its own recompute), and each
+setting (``none``, uniform K=1, block N=1
 .. L-1):
 
 - eager measured: the real eager step (the model as written, the setting applied as
@@ -41,7 +43,7 @@ from remat_pass.formatting import text_table  # noqa: E402
 from remat_pass.models import hf_families, tiny_gpt  # noqa: E402
 from remat_pass.recompute import schedule as schedules  # noqa: E402
 
-MODELS = ("tiny", "gpt2", "llama", "t5")
+MODELS = ("tiny", "gpt2", "llama", "t5", "mcore", "mcore-32k")
 
 
 def build(name: str) -> tuple[Any, Any, Any, str]:
@@ -54,6 +56,12 @@ def build(name: str) -> tuple[Any, Any, Any, str]:
 
         model, inputs, loss_fn = small_gpt2(layers=3, dropout=0.1)
         return model, inputs, loss_fn, "transformer.h"
+    if name.startswith("mcore"):
+        from remat_pass.models.megatron import megatron_gpt
+
+        model, inputs, loss_fn = megatron_gpt(layers=4, hidden=128, heads=4, seq=64, batch=2, dropout=0.1,
+                                              vocab=32768 if name == "mcore-32k" else 512)
+        return model, inputs, loss_fn, "decoder.layers"
     model, inputs, loss_fn = getattr(hf_families, name)()
     return model, inputs, loss_fn, "model.layers" if name == "llama" else "encoder.block"
 
@@ -62,6 +70,8 @@ def rows_of(name: str, reentrant: bool) -> list[dict[str, Any]]:
     model, inputs, loss_fn, stack = build(name)
     layers = len(model.get_submodule(stack))
     settings = [schedules.none(layers), schedules.uniform(1, layers)]
+    if name.startswith("mcore"):  # Megatron-Core runs uniform K > 1 itself
+        settings += [schedules.uniform(k, layers) for k in range(2, layers + 1) if layers % k == 0]
     settings += [schedules.block(n, layers) for n in range(1, layers)]
     session = Session.create(model, inputs, loss_fn, layers=stack)
     rows = []

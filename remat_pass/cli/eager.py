@@ -15,6 +15,7 @@ from ..evaluate.eager_program import eager_program
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.workload import Workload
 from ..formatting import mib, text_table
+from ..models.megatron import is_megatron_core
 from ..recompute import schedule as schedules
 
 
@@ -62,8 +63,9 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
               "stack (name it with --stack)", file=sys.stderr)
         return True
     rows, exact = [], True
+    own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
     for sched, r in zip(todo, results):
-        if any(len(g) > 1 for g in sched.groups):
+        if not own_loop and any(len(g) > 1 for g in sched.groups):
             continue
         try:
             e = eager_program(step.model, step.example_inputs, step.loss_fn, sched, layers=step.stack.path,
@@ -75,9 +77,10 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
         rows.append([sched.provenance, mib(e.predicted.peak_bytes), mib(e.measured_peak_bytes),
                      mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
-    print("\nthe eager program (the model as written, torch.utils.checkpoint per recomputed layer"
-          f"{', reentrant' if args.reentrant else ''}) against the rewrite; uniform K > 1 needs the model's own loop "
-          "and is left out:")
+    how = ("Megatron-Core's own recompute (TransformerConfig recompute_method)" if own_loop else
+           "torch.utils.checkpoint per recomputed layer" + (", reentrant" if args.reentrant else "")
+           + "; uniform K > 1 needs the model's own loop and is left out")
+    print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB"], rows))
     return exact

@@ -14,9 +14,10 @@ are supported; groups of several layers are refused: they need the model's own l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,7 @@ from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
 from ..liveness.eager_program import EagerPeak, eager_peak
 from ..measure.run import profiled_peak_cpu
+from ..models.megatron import is_megatron_core
 from ..memory.calibration import Calibrator
 from ..recompute.schedule import Schedule
 
@@ -87,6 +89,63 @@ def with_checkpoints(model: nn.Module, schedule: Schedule, layers: str | None = 
     return copied
 
 
+@contextlib.contextmanager
+def megatron_recompute(model: nn.Module, schedule: Schedule) -> Iterator[nn.Module]:
+    """Megatron-Core's own full recompute set to ``schedule`` on ``model``'s
+    ``TransformerConfig`` (``recompute_granularity="full"``, ``recompute_method``,
+    ``recompute_num_layers``: ``TransformerBlock._checkpointed_forward`` runs it, with
+    Megatron's reentrant ``CheckpointFunction``) while the block is entered, restored after.
+
+    Raises:
+        RematError: a schedule that is not none / uniform / block.
+    """
+    if schedule.method not in ("none", "uniform", "block"):
+        raise RematError(f"Megatron-Core runs --recompute-method uniform or block, not {schedule.provenance}")
+    configs = {id(m.config): m.config for m in model.modules() if type(m).__name__ == "TransformerBlock"}
+    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    saved = {k: tuple(getattr(c, f) for f in fields) for k, c in configs.items()}
+    value = ((None, None, None) if schedule.method == "none" or not schedule.groups
+             else ("full", schedule.method, schedule.recompute_num_layers))
+    try:
+        for c in configs.values():
+            for f, v in zip(fields, value):
+                setattr(c, f, v)
+        yield model
+    finally:
+        for k, c in configs.items():
+            for f, v in zip(fields, saved[k]):
+                setattr(c, f, v)
+
+
+@contextlib.contextmanager
+def _collectives_released(timeout_s: float = 1.0) -> Iterator[None]:
+    """While measuring: after each ``torch.distributed.all_reduce`` on CPU tensors, wait
+    until gloo's worker thread has dropped its reference to the tensor (its use count is
+    back to what it was), as ``measure.collective_release`` does for a graph's collectives:
+    otherwise a storage whose last reference the worker drops is freed on a thread the
+    profiler does not record, and the measured peak is now and then too high by it.
+    Waiting changes no value and allocates nothing."""
+    import time
+
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        before = tensor._use_count()
+        out = original(tensor, *args, **kwargs)
+        deadline = time.monotonic() + timeout_s
+        while kwargs.get("async_op") is not True and tensor._use_count() > before and time.monotonic() < deadline:
+            time.sleep(0)
+        return out
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
 @dataclasses.dataclass(frozen=True)
 class EagerResult:
     """One setting of the eager program.
@@ -106,14 +165,23 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                   schedule: Schedule, *, layers: str | None = None, use_reentrant: bool = False,
                   measure: bool = True, calibrator: Calibrator | None = None) -> EagerResult:
     """The eager step ``loss_fn(model(*inputs)).backward()`` (inputs and loss as
-    ``eager_trace.record_eager_step``) under ``schedule``
+    ``eager_trace.record_eager_step``) under ``schedule`` (a Megatron-Core model: its own
+    recompute, ``megatron_recompute``; uniform K > 1 included)
     (``with_checkpoints``): predicted from fake tensors, and, with ``measure``, measured
     on the real model (two warm-up steps, ``.grad`` None before each; CPU).
 
     Raises:
         RematError: as ``with_checkpoints`` and ``eager_trace.record_eager_step``.
     """
+    if is_megatron_core(model):
+        with megatron_recompute(model, schedule):
+            return _run(model, inputs, loss_fn, schedule, measure, calibrator)
     m = with_checkpoints(model, schedule, layers, use_reentrant) if schedule.groups else model
+    return _run(m, inputs, loss_fn, schedule, measure, calibrator)
+
+
+def _run(m: nn.Module, inputs: Any, loss_fn: LossFn | None, schedule: Schedule, measure: bool,
+         calibrator: Calibrator | None) -> EagerResult:
     trace = record_eager_step(m, inputs, loss_fn)
     memory = (calibrator or Calibrator()).memory_model_of(trace.op_nodes)
     predicted = eager_peak(trace, memory)
@@ -125,13 +193,14 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
         def step() -> None:
             extract_loss(m(*args, **kwargs), loss_fn).backward()
 
-        for _ in range(2):
+        with _collectives_released():
+            for _ in range(2):
+                for p in params:
+                    p.grad = None
+                step()
             for p in params:
                 p.grad = None
-            step()
-        for p in params:
-            p.grad = None
-        measured = profiled_peak_cpu(step)[0]
+            measured = profiled_peak_cpu(step)[0]
         for p in params:
             p.grad = None
     return EagerResult(schedule.provenance, predicted, measured)

@@ -3,8 +3,8 @@ storage each op allocates and when each storage dies.
 
 ``record_eager_step`` runs the model's forward, its loss and ``loss.backward()`` as the
 user's own code runs them (their in-place ops, ``torch.utils.checkpoint``, autograd's
-saved tensors and the order its engine frees them), on fake tensors: parameters copied
-into a ``FakeTensorMode`` (``FakeCopyMode``), so nothing is computed and any size can be
+saved tensors and the order its engine frees them), on fake tensors: the model copied into a ``FakeTensorMode``
+(``FakeCopyMode``), so nothing is computed and any size can be
 recorded. A ``TorchDispatchMode`` sees every aten op the step dispatches, forward and
 backward (the CPU autograd engine runs on the calling thread), as PyTorch's
 ``torch.distributed._tools.mem_tracker`` does:
@@ -16,7 +16,12 @@ backward (the CPU autograd engine runs on the calling thread), as PyTorch's
   (parameters, the batch): static, not counted;
 - ``torch.get_rng_state``, which allocates its CPU state tensor (5,056 bytes) without
   a dispatched op, is wrapped while the step is recorded (``torch.utils.checkpoint``
-  stashes the state per checkpointed call, ``preserve_rng_state=True``).
+  stashes the state per checkpointed call, ``preserve_rng_state=True``);
+- ``torch.distributed``'s in-place collectives run as functional collectives on the fake
+  tensors (``trace_context.functional_collectives``; a collective then allocates its
+  output and copies it back): their outputs are counted as the tensor eager writes in
+  place, not as allocations. Small constants keep their values
+  (``trace_context.constant_values_mode``: Megatron-Core's RNG-tracker check).
 
 Each op also becomes a node of an fx graph (``EagerTrace.graph``), its ``meta["val"]``
 a stand-in of its output in a separate fake mode (the same layout and storage sharing,
@@ -42,6 +47,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import RematError
 from .flat_step import LossFn, extract_loss, split_inputs
+from .trace_context import constant_values_mode, functional_collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,10 @@ class _Recorder(TorchDispatchMode):
             node.meta[WRAPPED_NUMBER_BYTES] = sum(wrapped.values())
             if wrapped and isinstance(out, torch.Tensor):
                 self.pending = (node, weakref.ref(out), wrapped, index)
-            node.meta["val"] = tree_map(lambda o: self._stand_in(o, index, node.name), out)
+            # a functional collective stands for eager's in-place one (functional_collectives):
+            # its output is the tensor written in place, no allocation
+            made = None if func.namespace == "_c10d_functional" else index
+            node.meta["val"] = tree_map(lambda o: self._stand_in(o, made, node.name), out)
         finally:
             self.busy = False
         self.ops.append(node)
@@ -243,10 +252,32 @@ class _Recorder(TorchDispatchMode):
         return EagerTrace(self.graph, tuple(self.ops), storages)
 
 
+def _fake_model(fake: FakeTensorMode, model: torch.nn.Module) -> Callable[[tuple, dict], Any]:
+    """``(args, kwargs) -> output`` of ``model`` on fake parameters and buffers: a copy made
+    in ``fake`` (``FakeCopyMode``); for a model that cannot be copied (Megatron-Core's
+    modules hold process groups), fake tensors swapped in for the call
+    (``torch.func.functional_call``; not yet checked byte for byte against measured)."""
+    try:
+        with FakeCopyMode(fake):
+            copied = copy.deepcopy(model)
+    except (TypeError, RuntimeError):
+        fakes: dict[int, torch.Tensor] = {}  # one fake per tensor: a tied weight stays one leaf
+        for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+            if id(t) not in fakes:
+                f = fake.from_tensor(t.detach())
+                fakes[id(t)] = f.requires_grad_(t.requires_grad) if t.is_floating_point() else f
+        state = {n: fakes[id(t)] for n, t in (*model.named_parameters(remove_duplicate=False),
+                                              *model.named_buffers(remove_duplicate=False))}
+        return lambda args, kwargs: torch.func.functional_call(model, state, args, kwargs)
+    for p in copied.parameters():
+        p.grad = None
+    return lambda args, kwargs: copied(*args, **kwargs)
+
+
 def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None) -> EagerTrace:
-    """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on fake
-    copies of the model and inputs (the model itself is not run or changed; its
-    ``.grad``s stay as they are).
+    """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on a fake
+    copy of the model (``_fake_model``) and fake inputs; the model's own tensors and
+    ``.grad``s are untouched.
 
     Args:
         model: the module as the user runs it (its own checkpointing included), on CPU
@@ -264,11 +295,8 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
         RematError: an op cannot run on fake tensors (a data-dependent ``.item()``,
             an op with no meta function), with the op's error.
     """
-    fake = FakeTensorMode(allow_non_fake_inputs=True)  # a loss_fn may close over real targets
-    with FakeCopyMode(fake):
-        fake_model = copy.deepcopy(model)
-    for p in fake_model.parameters():
-        p.grad = None
+    fake = constant_values_mode()  # real tensors allowed (a loss_fn's targets); small constants' values known
+    run = _fake_model(fake, model)
     args, kwargs = split_inputs(inputs)
     args, kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
@@ -281,8 +309,8 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
 
     torch.get_rng_state = stashed_rng_state
     try:
-        with fake, recorder:
-            extract_loss(fake_model(*args, **kwargs), loss_fn).backward()
+        with fake, recorder, functional_collectives():
+            extract_loss(run(args, kwargs), loss_fn).backward()  # the output is not held through backward
             del args, kwargs
             recorder.poll()  # what died by the end of backward; the .grads live on
     except (RuntimeError, NotImplementedError, TypeError) as e:

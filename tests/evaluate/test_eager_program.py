@@ -84,3 +84,19 @@ class Scalar(nn.Module):
 def test_a_step_that_cannot_run_on_fake_tensors_is_refused():
     with pytest.raises(RematError, match="could not run on fake tensors"):
         record_eager_step(Scalar(), (torch.ones(()),), None)
+
+
+def test_megatron_core_own_recompute_is_predicted_to_the_byte():
+    """Megatron-Core's GPTModel with its own full recompute (``TransformerConfig``
+    ``recompute_method`` uniform / block, ``_checkpointed_forward`` with Megatron's
+    ``CheckpointFunction`` and RNG tracker), dropout 0.1, gloo world size 1: every
+    setting predicted == measured, groups of several layers included; the config is
+    restored after each."""
+    pytest.importorskip("megatron.core")
+    from remat_pass.models.megatron import megatron_gpt
+
+    model, inputs, loss_fn = megatron_gpt(layers=4, hidden=64, heads=4, seq=32, batch=2, vocab=128, dropout=0.1)
+    for sch in [schedules.none(4), schedules.uniform(2, 4), schedules.block(1, 4)]:
+        r = eager_program(model, inputs, loss_fn, sch, layers="decoder.layers")
+        assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r)
+    assert model.decoder.config.recompute_granularity is None
