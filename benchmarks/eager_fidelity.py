@@ -18,8 +18,9 @@ setting (``none``, uniform K=1, block N=1
 
 The summary line per model says whether eager predicted == measured in every row,
 whether the rewrite used at most eager's memory in every row, and the least-memory
-setting of each. CPU, fp32, 1 thread. Megatron-Core's own recompute and groups of
-several layers (uniform K > 1) are not in it yet.
+setting of each. CPU, fp32, 1 thread. Groups of several layers (uniform K > 1, K
+dividing L) run under one ``torch.utils.checkpoint`` each on TinyGPT, and under
+Megatron-Core's own recompute; transformers models checkpoint one layer at a time.
 
 Usage: ``python benchmarks/eager_fidelity.py [--models tiny,gpt2,llama,t5 --reentrant --json out.json]``
 """
@@ -70,7 +71,7 @@ def rows_of(name: str, reentrant: bool) -> list[dict[str, Any]]:
     model, inputs, loss_fn, stack = build(name)
     layers = len(model.get_submodule(stack))
     settings = [schedules.none(layers), schedules.uniform(1, layers)]
-    if name.startswith("mcore"):  # Megatron-Core runs uniform K > 1 itself
+    if name == "tiny" or name.startswith("mcore"):  # one checkpoint per group; Megatron-Core's own loop
         settings += [schedules.uniform(k, layers) for k in range(2, layers + 1) if layers % k == 0]
     settings += [schedules.block(n, layers) for n in range(1, layers)]
     session = Session.create(model, inputs, loss_fn, layers=stack)

@@ -1,6 +1,7 @@
 """``sweep --program eager``: the user's eager program next to the rewrite, per setting
 (``evaluate/eager_program``): the model as written, with ``torch.utils.checkpoint`` (or
-transformers' own ``gradient_checkpointing_enable``) around each recomputed layer,
+transformers' own ``gradient_checkpointing_enable``) around each recomputed layer or
+group of layers,
 predicted from its recording on fake tensors and measured; the rewrite's predicted
 peak beside it and the difference."""
 
@@ -23,8 +24,8 @@ def add_program_args(p: argparse.ArgumentParser) -> None:
     """Add ``--program`` and ``--reentrant``."""
     g = p.add_argument_group("the user's eager program")
     g.add_argument("--program", choices=("rewrite", "eager"), default="rewrite",
-                   help="eager: also predict and measure the model as written, each recomputed layer under "
-                        "torch.utils.checkpoint (a transformers model: its gradient_checkpointing_enable), "
+                   help="eager: also predict and measure the model as written, each recomputed layer or group "
+                        "under torch.utils.checkpoint (a transformers model: its gradient_checkpointing_enable), "
                         "next to the rewrite (default: %(default)s)")
     g.add_argument("--reentrant", action="store_true",
                    help="with --program eager: torch.utils.checkpoint(use_reentrant=True)")
@@ -64,23 +65,28 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         return True
     rows, exact = [], True
     own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
+    refused = []
     for sched, r in zip(todo, results):
-        if not own_loop and any(len(g) > 1 for g in sched.groups):
-            continue
         try:
             e = eager_program(step.model, step.example_inputs, step.loss_fn, sched, layers=step.stack.path,
                               use_reentrant=args.reentrant)
         except RematError as err:
-            print(f"--program eager: {sched.provenance}: {err}", file=sys.stderr)
-            return False
+            if not any(len(g) > 1 for g in sched.groups):
+                print(f"--program eager: {sched.provenance}: {err}", file=sys.stderr)
+                return False
+            refused.append(f"{sched.provenance}: {err}")
+            continue
         exact = exact and e.predicted.peak_bytes == e.measured_peak_bytes
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
         rows.append([sched.provenance, mib(e.predicted.peak_bytes), mib(e.measured_peak_bytes),
                      mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
     how = ("Megatron-Core's own recompute (TransformerConfig recompute_method)" if own_loop else
-           "torch.utils.checkpoint per recomputed layer" + (", reentrant" if args.reentrant else "")
-           + "; uniform K > 1 needs the model's own loop and is left out")
+           "torch.utils.checkpoint per recomputed layer or group of layers"
+           + (", reentrant" if args.reentrant else ""))
     print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB"], rows))
+    if refused:
+        print(f"not run eagerly ({len(refused)} settings): {refused[0]}" + (" (and the same for "
+              + ", ".join(x.partition(':')[0] for x in refused[1:]) + ")" if refused[1:] else ""))
     return exact

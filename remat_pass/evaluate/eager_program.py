@@ -7,9 +7,13 @@ model, its own ``gradient_checkpointing_enable`` (each layer a
 ``GradientCheckpointingLayer``, switched on for the recomputed layers only); otherwise
 ``torch.utils.checkpoint`` around each recomputed layer of the stack. Non-reentrant by
 default, as PyTorch recommends; ``use_reentrant=True`` as older code and Megatron-LM's
-``CheckpointFunction`` run. Megatron-LM's ``uniform`` K = 1 and ``block`` N recompute single layers, so they
-are supported; groups of several layers are refused: they need the model's own loop
-(Megatron-Core's ``_checkpointed_forward``).
+``CheckpointFunction`` run. A group of K > 1 layers (Megatron-LM's ``uniform`` K) runs
+under one ``torch.utils.checkpoint`` call, as Megatron-LM's ``_checkpointed_forward``
+does (``custom(l, l + K)``): the group's first layer becomes a ``CheckpointedGroup``
+that runs all K layers, the others pass their input through (``GroupedLayer``), which
+holds for a stack whose loop passes each layer's output to the next as its first
+argument and the same other arguments to every layer; any other loop is refused when
+it runs. Megatron-Core runs every setting with its own recompute (``megatron_recompute``).
 """
 
 from __future__ import annotations
@@ -47,46 +51,102 @@ class CheckpointedLayer(nn.Module):
         return checkpoint(self.layer, *args, use_reentrant=self.use_reentrant, **kwargs)
 
 
-def with_checkpoints(model: nn.Module, schedule: Schedule, layers: str | None = None,
-                     use_reentrant: bool = False) -> nn.Module:
-    """A copy of ``model`` whose recomputed layers (``schedule.groups``) each run under
-    ``torch.utils.checkpoint``.
+class CheckpointedGroup(nn.Module):
+    """Consecutive layers run under one ``torch.utils.checkpoint.checkpoint`` call
+    (Megatron-LM's ``_checkpointed_forward`` around ``custom(l, l + K)``): the first
+    positional argument goes through the layers in order, the other arguments are
+    given to every layer.
 
     Raises:
-        RematError: a group of more than one layer, or a schedule for another number
-            of layers than the stack has.
+        RematError: (when called) a layer returns something other than a tensor of its
+            input's shape: the stack's loop does not chain the layers that way.
+    """
+
+    def __init__(self, layers: list[nn.Module], use_reentrant: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self._chain, hidden, *args, use_reentrant=self.use_reentrant, **kwargs)
+
+    def _chain(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        for layer in self.layers:
+            out = layer(hidden, *args, **kwargs)
+            if not (isinstance(out, torch.Tensor) and isinstance(hidden, torch.Tensor) and out.shape == hidden.shape):
+                raise RematError(f"{type(layer).__name__} returns {type(out).__name__}, not a tensor of its first "
+                                 "argument's shape: one torch.utils.checkpoint around a group of layers needs a "
+                                 "stack whose layers each take the previous layer's output (use K=1 or block N)")
+            hidden = out
+        return hidden
+
+
+class GroupedLayer(nn.Module):
+    """A layer that a ``CheckpointedGroup`` before it already ran: its input passes
+    through (the module is kept, so its parameters stay in the model)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+def with_checkpoints(model: nn.Module, schedule: Schedule, layers: str | None = None,
+                     use_reentrant: bool = False) -> nn.Module:
+    """A copy of ``model`` whose recomputed groups (``schedule.groups``) each run under
+    one ``torch.utils.checkpoint``: a single layer as the model's own per-layer
+    checkpointing runs it (transformers' ``activation_checkpointing_enable``), else
+    ``CheckpointedLayer``; a group of several layers as a ``CheckpointedGroup``.
+
+    Raises:
+        RematError: a schedule for another number of layers than the stack has; a
+            transformers layer that cannot be set per layer; a group of several layers
+            of a transformers model.
     """
     path, children = find_layer_stacks(model, layers)[0]
     if schedule.num_layers != len(children):
         raise RematError(f"schedule {schedule.provenance} is for {schedule.num_layers} layers; "
                          f"{path} has {len(children)}")
-    wide = [g for g in schedule.groups if len(g) > 1]
-    if wide:
-        raise RematError(f"schedule {schedule.provenance} recomputes groups of {len(wide[0])} layers: "
-                         "torch.utils.checkpoint around a group needs the model's own loop; the eager "
-                         "program supports single-layer groups (uniform K=1, block N)")
+    if getattr(model, "supports_gradient_checkpointing", False) and any(len(g) > 1 for g in schedule.groups):
+        raise RematError(f"schedule {schedule.provenance} recomputes groups of several layers: a transformers model "
+                         "checkpoints one layer at a time (activation_checkpointing_enable; one checkpoint around "
+                         "several layers would recompute through their KV cache): uniform K=1 and block N")
     copied = copy.deepcopy(model)
     stack = copied.get_submodule(path)
     if getattr(copied, "supports_gradient_checkpointing", False):
-        # transformers' own per-layer checkpointing (GradientCheckpointingLayer), which
-        # also turns the KV cache off while training, as users enable it
-        kwargs = {"use_reentrant": use_reentrant}
-        if hasattr(copied, "activation_checkpointing_enable"):  # transformers 5 (the old name is deprecated)
-            copied.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            copied.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        recomputed = {children[g[0]] for g in schedule.groups}
-        for name in children:
-            layer = stack.get_submodule(name)
-            if not hasattr(layer, "gradient_checkpointing"):
-                raise RematError(f"{path}.{name} ({type(layer).__name__}) is not a transformers "
-                                 "GradientCheckpointingLayer: its checkpointing cannot be set per layer")
-            layer.gradient_checkpointing = name in recomputed
+        _transformers_per_layer(copied, path, stack, children, schedule, use_reentrant)
         return copied
-    for (i,) in schedule.groups:
-        name = children[i]
-        stack.register_module(name, CheckpointedLayer(stack.get_submodule(name), use_reentrant))
+    for group in schedule.groups:
+        names = [children[i] for i in group]
+        if len(group) == 1:
+            stack.register_module(names[0], CheckpointedLayer(stack.get_submodule(names[0]), use_reentrant))
+            continue
+        members = [stack.get_submodule(n) for n in names]
+        stack.register_module(names[0], CheckpointedGroup(members, use_reentrant))
+        for name, layer in zip(names[1:], members[1:]):
+            stack.register_module(name, GroupedLayer(layer))
     return copied
+
+
+def _transformers_per_layer(copied: nn.Module, path: str, stack: nn.Module, children: list[str],
+                            schedule: Schedule, use_reentrant: bool) -> None:
+    """transformers' own per-layer checkpointing (GradientCheckpointingLayer), which also
+    turns the KV cache off while training, as users enable it; on for the recomputed
+    layers only."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(copied, "activation_checkpointing_enable"):  # transformers 5 (the old name is deprecated)
+        copied.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        copied.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    recomputed = {children[g[0]] for g in schedule.groups}
+    for name in children:
+        layer = stack.get_submodule(name)
+        if not hasattr(layer, "gradient_checkpointing"):
+            raise RematError(f"{path}.{name} ({type(layer).__name__}) is not a transformers "
+                             "GradientCheckpointingLayer: its checkpointing cannot be set per layer")
+        layer.gradient_checkpointing = name in recomputed
 
 
 @contextlib.contextmanager

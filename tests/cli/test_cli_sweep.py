@@ -71,7 +71,8 @@ def test_program_eager_refusals(argv, words, capsys):
 
 @pytest.mark.slow
 def test_program_eager_prints_the_eager_program_beside_the_rewrite(capsys):
-    """``sweep --program eager``: a row per single-layer setting with the eager program
+    """``sweep --program eager``: a row per setting (uniform K=2: one checkpoint around both
+    layers) with the eager program
     predicted and measured (equal), the rewrite's prediction and the difference."""
     argv = ["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--batch", "2", "--seq", "16",
             "--program", "eager", "--reentrant"]
@@ -79,5 +80,5 @@ def test_program_eager_prints_the_eager_program_beside_the_rewrite(capsys):
     out = capsys.readouterr().out
     table = out[out.index("the eager program"):].splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip()}
-    assert set(rows) == {"none", "uniform(K=1)", "block(N=0)", "block(N=1)", "block(N=2)"}
+    assert set(rows) == {"none", "uniform(K=1)", "uniform(K=2)", "block(N=0)", "block(N=1)", "block(N=2)"}
     assert all(r[0] == r[1] for r in rows.values())  # eager predicted == measured (MiB)
