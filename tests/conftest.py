@@ -49,6 +49,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def megatron_torn_down():
+    """After the test: Megatron's CPU setup (``models.megatron.setup_megatron_cpu``, which a
+    ``megatron_gpt`` model starts and keeps for the process) ended, its gloo group with it,
+    so that a later test in the same worker starts without a process group."""
+    yield
+    from remat_pass.models.megatron import teardown_megatron_cpu
+
+    teardown_megatron_cpu()
+
+
 @pytest.fixture(scope="module")
 def gpt2_session() -> Session:
     model, inputs, loss_fn = small_gpt2(layers=3, dropout=0.1)

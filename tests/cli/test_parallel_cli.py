@@ -93,6 +93,7 @@ def test_sweep_measure_is_exact_at_one_sample_per_microbatch(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("megatron_torn_down")
 def test_a_megatron_command_sweeps_as_the_factory_does(tmp_path):
     """`remat-pass megatron -- <Megatron-LM arguments>` equals `sweep` of the same
     Megatron-Core factory: the same settings, predicted == measured, gradients equal."""

@@ -119,6 +119,7 @@ def test_a_step_that_cannot_run_on_fake_tensors_is_refused():
         record_eager_step(Scalar(), (torch.ones(()),), None)
 
 
+@pytest.mark.usefixtures("megatron_torn_down")
 def test_megatron_core_own_recompute_is_predicted_to_the_byte():
     """Megatron-Core's GPTModel with its own full recompute (``TransformerConfig``
     ``recompute_method`` uniform / block, ``_checkpointed_forward`` with Megatron's
