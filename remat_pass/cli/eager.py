@@ -35,19 +35,19 @@ def check_program_args(args: argparse.Namespace) -> None:
     """Refuse ``--program eager`` where it cannot run yet, before tracing.
 
     Raises:
-        ValueError: with --meta / --config without weights, a per-rank or op-level
-            sweep, or --reentrant without --program eager.
+        ValueError: with a per-rank or op-level sweep, or --reentrant without
+            --program eager.
     """
     if getattr(args, "program", "rewrite") != "eager":
         if getattr(args, "reentrant", False):
             raise ValueError("--reentrant goes with --program eager")
         return
-    for flag, given in (("--meta", getattr(args, "meta", False)), ("--tp/--pp/--fsdp", _parallel(args)),
+    for flag, given in (("--tp/--pp/--fsdp", _parallel(args)),
                         ("--selective/--recompute-modules/--policy",
                          args.selective or args.recompute_modules or args.policy)):
         if given:
-            raise ValueError(f"--program eager does not go with {flag} yet: the eager program is recorded and "
-                             "measured on this CPU with the model's weights, one device, whole-layer settings")
+            raise ValueError(f"--program eager does not go with {flag} yet: the eager program is recorded for "
+                             "one device, whole-layer settings")
 
 
 def _parallel(args: argparse.Namespace) -> bool:
@@ -55,17 +55,25 @@ def _parallel(args: argparse.Namespace) -> bool:
 
 
 def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[schedules.Schedule],
-                      results: Sequence[ScheduleResult]) -> bool:
-    """The eager program's rows under the sweep's table; False when an eager row's
-    prediction differs from its measurement."""
+                      results: Sequence[ScheduleResult]) -> tuple[bool, list[dict]]:
+    """The eager program's rows under the sweep's table. Returns ``(exact, rows)``: exact is
+    False when an eager row's prediction differs from its measurement; rows are the
+    JSON rows (``sweep_schema.json`` ``eager_program``: schedule, predicted and measured
+    peak bytes of the eager program, the rewrite's predicted peak bytes, notes)."""
     step = w.step
     if len(step.stack.stacks) > 1:
         print(f"--program eager: {len(step.stack.stacks)} layer stacks; the eager program is recorded for one "
               "stack (name it with --stack)", file=sys.stderr)
-        return True
-    rows, exact = [], True
+        return True, []
+    if w.reuse is not None:
+        print(f"--program eager: the step was analysed from a {step.stack.num_layers}-layer template of the "
+              f"{w.num_layers} layers (layer reuse); the eager program is recorded whole: add --trace-all-layers",
+              file=sys.stderr)
+        return True, []
+    rows, exact, doc = [], True, []
     own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
-    refused = []
+    refused: list[str] = []
+    notes: dict[str, list[str]] = {}  # each eager row's note -> its count per setting said of ("": none)
     for sched, r in zip(todo, results):
         try:
             e = eager_program(step.model, step.example_inputs, step.loss_fn, sched, layers=step.stack.path,
@@ -73,12 +81,19 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         except RematError as err:
             if not any(len(g) > 1 for g in sched.groups):
                 print(f"--program eager: {sched.provenance}: {err}", file=sys.stderr)
-                return False
+                return False, doc
             refused.append(f"{sched.provenance}: {err}")
             continue
-        exact = exact and e.predicted.peak_bytes == e.measured_peak_bytes
+        exact = exact and e.measured_peak_bytes in (None, e.predicted.peak_bytes)
+        for n in e.predicted.notes:  # a count that differs per setting ("34 ops have ...") kept apart
+            count, _, rest = n.partition(" ")
+            notes.setdefault(rest if count.isdigit() else n, []).append(count if count.isdigit() else "")
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
-        rows.append([sched.provenance, mib(e.predicted.peak_bytes), mib(e.measured_peak_bytes),
+        measured = "not run" if e.measured_peak_bytes is None else mib(e.measured_peak_bytes)
+        doc.append({"schedule": sched.provenance, "predicted_peak_bytes": e.predicted.peak_bytes,
+                    "measured_peak_bytes": e.measured_peak_bytes, "rewrite_predicted_peak_bytes": r.predicted_peak_bytes,
+                    "peak_op": e.predicted.peak_op, "notes": list(e.predicted.notes)})
+        rows.append([sched.provenance, mib(e.predicted.peak_bytes), measured,
                      mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
     how = ("Megatron-Core's own recompute (TransformerConfig recompute_method)" if own_loop else
            "torch.utils.checkpoint per recomputed layer or group of layers"
@@ -86,7 +101,12 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB"], rows))
+    for note, counts in notes.items():
+        which = "every setting" if len(counts) == len(rows) else f"{len(counts)} of {len(rows)} settings"
+        numbers = sorted({int(c) for c in counts if c})
+        span = "" if not numbers else (f"{numbers[0]} " if len(numbers) == 1 else f"{numbers[0]}-{numbers[-1]} ")
+        print(f"note (eager program, {which}): {span}{note}")
     if refused:
         print(f"not run eagerly ({len(refused)} settings): {refused[0]}" + (" (and the same for "
               + ", ".join(x.partition(':')[0] for x in refused[1:]) + ")" if refused[1:] else ""))
-    return exact
+    return exact, doc

@@ -144,7 +144,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(text_table(sweep_columns(unit), sweep_rows(results, unit)))
     for line in sweep_summary(results, w.static, w.device_memory_bytes):
         print(line)
-    eager_exact = getattr(args, "program", "rewrite") != "eager" or print_eager_table(args, w, todo, results)
+    eager_exact, eager_rows = (print_eager_table(args, w, todo, results)
+                               if getattr(args, "program", "rewrite") == "eager" else (True, []))
     crashes = megatron_note(w.step.model, todo)
     if crashes:
         print(crashes)
@@ -163,15 +164,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"{len(results)} schedules in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.json:
-        _write_sweep_json(args, w, results)
+        _write_sweep_json(args, w, results, eager_rows=eager_rows)
         print(f"wrote {args.json}", file=sys.stderr)
     return EXIT_OK if eager_exact and all(r.predicted_only or r.grads_match for r in results) else EXIT_FAILED
 
 
 def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[ScheduleResult],
-                      partial: bool = False) -> None:
+                      partial: bool = False, eager_rows: list[dict] | None = None) -> None:
     """The sweep's JSON: the model, target, stacks, static memory and one row per schedule;
-    ``partial``: the sweep was interrupted and ``rows`` holds the schedules finished."""
+    ``partial``: the sweep was interrupted and ``rows`` holds the schedules finished;
+    ``eager_rows``: the eager program's rows (``--program eager``)."""
     rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
     write_document(args.json, "remat-pass-sweep", {
         "model": model_name(args),
@@ -188,4 +190,5 @@ def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[Sched
         **({"notes": list(w.session.joint.notes)} if w.session is not None and w.session.joint.notes else {}),
         **({"partial": True} if partial else {}),
         "rows": rows,
+        **({"eager_program": eager_rows} if eager_rows else {}),
     })

@@ -28,13 +28,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import RematError
-from ..graph.eager_trace import record_eager_step
+from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
 from ..liveness.eager_program import EagerPeak, eager_peak
 from ..measure.run import profiled_peak_cpu
 from ..models.megatron import is_megatron_core
 from ..memory.calibration import Calibrator
+from ..memory.memory_model import MemoryModel
 from ..recompute.schedule import Schedule
 
 
@@ -206,6 +207,11 @@ def _collectives_released(timeout_s: float = 1.0) -> Iterator[None]:
         dist.all_reduce = original
 
 
+NO_WEIGHTS = ("recorded without weights (meta tensors, as if on the CPU): op scratch from the formula table "
+              "only, not calibrated on this machine; not measured")
+"""The note of an eager step recorded without weights."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EagerResult:
     """One setting of the eager program.
@@ -213,7 +219,8 @@ class EagerResult:
     Attributes:
         schedule: the setting (``provenance``).
         predicted: the EagerPeak recorded on fake tensors.
-        measured_peak_bytes: the real step's peak above its start (None: not run).
+        measured_peak_bytes: the real step's peak above its start (None: not run; a
+            model without weights is never run).
     """
 
     schedule: str
@@ -228,7 +235,10 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     ``eager_trace.record_eager_step``) under ``schedule`` (a Megatron-Core model: its own
     recompute, ``megatron_recompute``; uniform K > 1 included)
     (``with_checkpoints``): predicted from fake tensors, and, with ``measure``, measured
-    on the real model (two warm-up steps, ``.grad`` None before each; CPU).
+    on the real model (two warm-up steps, ``.grad`` None before each; CPU). A model or
+    inputs without weights (the meta device: ``eager_trace.without_weights``) are recorded
+    as on the CPU with the formula table's op scratch, not measured, and say so in
+    ``predicted.notes`` (``NO_WEIGHTS``).
 
     Raises:
         RematError: as ``with_checkpoints`` and ``eager_trace.record_eager_step``.
@@ -243,6 +253,10 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
 def _run(m: nn.Module, inputs: Any, loss_fn: LossFn | None, schedule: Schedule, measure: bool,
          calibrator: Calibrator | None) -> EagerResult:
     trace = record_eager_step(m, inputs, loss_fn)
+    if without_weights(m, inputs):  # predicted only, as a fake step of the rewrite (session.Session)
+        predicted = eager_peak(trace, MemoryModel.table_only("cpu"))
+        return EagerResult(schedule.provenance, dataclasses.replace(predicted, notes=(*predicted.notes, NO_WEIGHTS)),
+                           None)
     memory = (calibrator or Calibrator()).memory_model_of(trace.op_nodes)
     predicted = eager_peak(trace, memory)
     measured = None

@@ -31,11 +31,12 @@ calibration and the scratch table read (``graph/op_signature``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import operator
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.fx as fx
@@ -46,7 +47,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import RematError
-from .flat_step import LossFn, extract_loss, split_inputs
+from .fake_trace import FakeConverter
+from .flat_step import LossFn, bind_tensors, extract_loss, split_inputs
 from .trace_context import constant_values_mode, functional_collectives
 
 
@@ -252,26 +254,55 @@ class _Recorder(TorchDispatchMode):
         return EagerTrace(self.graph, tuple(self.ops), storages)
 
 
-def _fake_model(fake: FakeTensorMode, model: torch.nn.Module) -> Callable[[tuple, dict], Any]:
-    """``(args, kwargs) -> output`` of ``model`` on fake parameters and buffers: a copy made
-    in ``fake`` (``FakeCopyMode``); for a model that cannot be copied (Megatron-Core's
-    modules hold process groups), fake tensors swapped in for the call
-    (``torch.func.functional_call``; not yet checked byte for byte against measured)."""
-    try:
-        with FakeCopyMode(fake):
-            copied = copy.deepcopy(model)
-    except (TypeError, RuntimeError):
-        fakes: dict[int, torch.Tensor] = {}  # one fake per tensor: a tied weight stays one leaf
-        for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
-            if id(t) not in fakes:
-                f = fake.from_tensor(t.detach())
-                fakes[id(t)] = f.requires_grad_(t.requires_grad) if t.is_floating_point() else f
-        state = {n: fakes[id(t)] for n, t in (*model.named_parameters(remove_duplicate=False),
-                                              *model.named_buffers(remove_duplicate=False))}
-        return lambda args, kwargs: torch.func.functional_call(model, state, args, kwargs)
-    for p in copied.parameters():
-        p.grad = None
-    return lambda args, kwargs: copied(*args, **kwargs)
+def without_weights(model: torch.nn.Module, inputs: Any) -> bool:
+    """Whether ``model`` or ``inputs`` hold meta or fake tensors (a step built without
+    weights: ``--meta``, a config file at full size): recorded, never run."""
+    args, kwargs = split_inputs(inputs)
+    tensors = [*model.parameters(), *model.buffers(),
+               *(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))]
+    return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
+
+
+def _fake_model(fake: FakeTensorMode, model: torch.nn.Module,
+                converter: FakeConverter) -> tuple[Callable[[tuple, dict], Any], ContextManager]:
+    """``(run, binding)``: ``run(args, kwargs)`` is ``model``'s output on fake parameters
+    and buffers while ``binding`` is entered (it spans forward and backward, so that a
+    checkpoint's recompute in backward also sees the fakes). The fakes: a copy made in
+    ``fake`` (``FakeCopyMode``; ``binding`` does nothing); for a model that cannot be
+    copied (Megatron-Core's modules hold process groups) or one without weights (meta
+    tensors: their fakes are CPU tensors, as ``fake_trace.FakeConverter`` makes them,
+    storage sharing kept), fakes swapped in for the model's own tensors
+    (``flat_step.bind_tensors``)."""
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    if not any(t.is_meta for _, t in named):
+        try:
+            with FakeCopyMode(fake):
+                copied = copy.deepcopy(model)
+            for p in copied.parameters():
+                p.grad = None
+            return (lambda args, kwargs: copied(*args, **kwargs)), contextlib.nullcontext()
+        except (TypeError, RuntimeError):
+            pass
+    converted = converter.convert([t.detach() for _, t in named])
+    replace = {id(t): f.requires_grad_(t.requires_grad) if t.is_floating_point() else f
+               for (_, t), f in zip(named, converted)}
+    return (lambda args, kwargs: model(*args, **kwargs)), bind_tensors(model, replace)
+
+
+def _fake_closure(converter: FakeConverter, loss_fn: LossFn | None) -> LossFn | None:
+    """``loss_fn`` with the meta tensors it closes over (a factory's targets built on the
+    meta device) replaced by CPU fakes; any other ``loss_fn`` as it is."""
+    cells = getattr(loss_fn, "__closure__", None) or ()
+    metas = [c.cell_contents for c in cells
+             if isinstance(getattr(c, "cell_contents", None), torch.Tensor) and c.cell_contents.is_meta]
+    if not metas:
+        return loss_fn
+    import types
+
+    fakes = {id(m): f for m, f in zip(metas, converter.convert(metas))}
+    closure = tuple(types.CellType(fakes.get(id(c.cell_contents), c.cell_contents)) for c in cells)
+    return types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__,  # type: ignore[union-attr]
+                              loss_fn.__defaults__, closure)  # type: ignore[union-attr]
 
 
 def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None) -> EagerTrace:
@@ -281,11 +312,12 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
 
     Args:
         model: the module as the user runs it (its own checkpointing included), on CPU
-            or the meta device.
+            or the meta device (recorded as on the CPU; ``without_weights``).
         inputs: a tensor, the forward's positional arguments or a dict of keyword
             arguments (``flat_step.split_inputs``; tensors are faked).
         loss_fn: the model's output -> a scalar loss; None: the output is the loss or
-            has ``.loss`` (``flat_step.extract_loss``).
+            has ``.loss`` (``flat_step.extract_loss``); meta tensors it closes over
+            (targets) are recorded as CPU tensors.
 
     Returns:
         The EagerTrace: every op (forward, loss, backward) with the storages it
@@ -296,9 +328,12 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
             an op with no meta function), with the op's error.
     """
     fake = constant_values_mode()  # real tensors allowed (a loss_fn's targets); small constants' values known
-    run = _fake_model(fake, model)
+    converter = FakeConverter(fake, "cpu")  # meta tensors -> CPU fakes, storages shared as they are
+    run, binding = _fake_model(fake, model, converter)
+    loss_fn = _fake_closure(converter, loss_fn)
     args, kwargs = split_inputs(inputs)
-    args, kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    args, kwargs = tree_map(lambda x: (converter.convert([x])[0] if x.is_meta else fake.from_tensor(x))
+                            if isinstance(x, torch.Tensor) else x, (args, kwargs))
     recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
     get_rng_state = torch.get_rng_state
 
@@ -309,7 +344,7 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
 
     torch.get_rng_state = stashed_rng_state
     try:
-        with fake, recorder, functional_collectives():
+        with fake, recorder, functional_collectives(), binding:
             extract_loss(run(args, kwargs), loss_fn).backward()  # the output is not held through backward
             del args, kwargs
             recorder.poll()  # what died by the end of backward; the .grads live on

@@ -60,13 +60,40 @@ def _factory_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--program", "eager", "--meta"], "--program eager does not go with --meta"),
+    (["--program", "eager", "--policy", "dots_saveable"], "--program eager does not go with --selective/--recompute-modules/--policy"),
     (["--reentrant"], "--reentrant goes with --program eager"),
 ])
 def test_program_eager_refusals(argv, words, capsys):
     """What the eager program cannot do yet is refused before tracing, exit 2."""
     assert main(["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_program_eager_on_the_meta_device_is_predicted_only(tmp_path, capsys):
+    """``sweep --meta --program eager``: every row predicted, none run ("not run"), the
+    note says so once for every setting; the JSON's eager rows (schema-valid) hold the
+    same figures, measured null."""
+    import json
+
+    import jsonschema
+
+    from remat_pass.report.documents import document_schema
+
+    argv = ["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--batch", "2", "--seq", "16",
+            "--meta", "--program", "eager", "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("the eager program"):].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip() and not line.startswith("note")}
+    assert {"none", "uniform(K=1)", "uniform(K=2)", "block(N=1)"} <= set(rows)
+    assert all(r[1:3] == ["not", "run"] and float(r[0]) > 0 for r in rows.values())
+    assert "note (eager program, every setting): recorded without weights" in out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    jsonschema.validate(doc, document_schema("remat-pass-sweep"))
+    eager = {r["schedule"]: r for r in doc["eager_program"]}
+    assert set(eager) == set(rows)
+    assert all(r["measured_peak_bytes"] is None and f"{r['predicted_peak_bytes'] / 2**20:.2f}" == rows[s][0]
+               for s, r in eager.items())
 
 
 @pytest.mark.slow

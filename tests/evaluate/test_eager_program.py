@@ -34,6 +34,35 @@ def test_tiny_gpt_eager_program_is_predicted_to_the_byte(use_reentrant):
         assert r.predicted.notes == ()
 
 
+def test_an_eager_program_without_weights_is_recorded_as_the_same_program_with_them():
+    """TinyGPT built on the meta device (its targets too) and the same TinyGPT with
+    weights: per setting (per-layer and grouped checkpoints, dropout included) the same
+    ops, the same storages and the same predicted peak on the formula table; the meta one
+    is not run, and says so."""
+    from remat_pass.evaluate.eager_program import NO_WEIGHTS
+    from remat_pass.liveness.eager_program import eager_peak
+    from remat_pass.memory.memory_model import MemoryModel
+
+    kw = dict(batch=2, seq=16, layers=3, hidden=32, heads=2, vocab=64, dropout=0.1)
+    real, (ids,), loss_fn = tiny_gpt(**kw)
+    with torch.device("meta"):
+        meta, (meta_ids,), meta_loss_fn = tiny_gpt(**kw)
+    assert next(meta.parameters()).is_meta
+    table = MemoryModel.table_only("cpu")
+    for sch in [*_settings(3), schedules.uniform(3, 3)]:
+        r = eager_program(meta, (meta_ids,), meta_loss_fn, sch)
+        assert r.measured_peak_bytes is None and NO_WEIGHTS in r.predicted.notes
+        with_weights = with_checkpoints(real, sch, None, False) if sch.groups else real
+        trace = record_eager_step(with_weights, (ids,), loss_fn)
+        without = record_eager_step(with_checkpoints(meta, sch, None, False) if sch.groups else meta,
+                                    (meta_ids,), meta_loss_fn)
+        assert [n.target for n in without.op_nodes] == [n.target for n in trace.op_nodes]
+        assert [(s.nbytes, s.allocated_at, s.freed_before) for s in without.storages] == \
+            [(s.nbytes, s.allocated_at, s.freed_before) for s in trace.storages]
+        assert r.predicted.peak_bytes == eager_peak(trace, table).peak_bytes, sch.provenance
+    assert all(p.is_meta and p.grad is None for p in meta.parameters())
+
+
 @pytest.mark.parametrize("family", ["llama", pytest.param("t5", marks=pytest.mark.slow)])
 def test_transformers_eager_program_is_predicted_to_the_byte(family):
     """transformers' Llama and T5 (loss inside the model; the checkpoint their own
