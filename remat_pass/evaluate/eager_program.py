@@ -32,7 +32,7 @@ from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
 from ..liveness.eager_program import EagerPeak, eager_peak
-from ..measure.run import profiled_peak_cpu
+from ..measure.allocator_events import profiled_peak_cpu
 from ..models.megatron import is_megatron_core
 from ..memory.calibration import Calibrator
 from ..memory.memory_model import MemoryModel

@@ -8,8 +8,9 @@ Measurement (DESIGN.md, Measurement):
 
 - CPU: the PyTorch profiler's allocator events (``profile_memory=True``); the ``[memory]``
   events ordered by ``start_ns()``, running sum of ``nbytes()``; the peak of the running
-  sum above the start of the step. Everything the step frees is allocated inside the
-  window; one warm-up step runs first.
+  sum above the start of the step. Only what the step allocates counts: a free is counted
+  for a block allocated inside the window (matched by address, ``step_allocator_events``);
+  one warm-up step runs first.
 - CUDA: ``torch.cuda.reset_peak_memory_stats()``, then ``max_memory_allocated()`` minus
   the ``memory_allocated()`` at the start of the step.
 - Gradients: the rewritten step against the un-rewritten joint graph run by the same
@@ -30,7 +31,9 @@ import torch.fx as fx
 from ..errors import UnsupportedGraph
 from .collective_release import released_by_collective_thread
 from ..graph.buffer_updates import updated_buffers
-from .quiet import collector_paused as _collector_paused, quiet_stderr as _quiet_stderr
+from .allocator_events import (AllocatorEvent, profile_memory_events, profiled_peak_cpu, running_bytes,  # noqa: F401
+                               step_allocator_events)
+from .quiet import collector_paused as _collector_paused
 from ..graph.flat_step import split_inputs, extract_loss
 from ..graph.op_signature import RealLayout, op_call, value_argument
 from ..recompute.rewrite import RewrittenStep
@@ -291,47 +294,6 @@ def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:
             return float("inf")
         worst = max(worst, float((x.double() - y.double()).abs().max()) if x.numel() else 0.0)
     return worst
-
-
-def profile_memory_events(fn: Callable[[], Any]) -> list[Any]:
-    """Run ``fn`` once under ``torch.profiler.profile(profile_memory=True)`` (CPU) with
-    the collector paused; return every profiler event (kineto results), unsorted.
-
-    The allocator events are those named ``[memory]`` (``nbytes()`` > 0: an allocation,
-    < 0: a free); ``record_function`` ranges come with them.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _collector_paused():
-        with _quiet_stderr():  # the CPU build's profiler logs start/stop lines on fd 2
-            prof.start()
-        try:
-            fn()
-        finally:
-            with _quiet_stderr():
-                prof.stop()
-    return list(prof.profiler.kineto_results.events())
-
-
-def running_bytes(events: Sequence[Any]) -> tuple[list[int], list[int]]:
-    """``(times_ns, running sum of allocated bytes after each allocator event)``, in time
-    order, from the events of ``profile_memory_events``."""
-    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"),
-                    key=lambda m: m[0])
-    total, times, running = 0, [], []
-    for t, nbytes in memory:
-        total += nbytes
-        times.append(t)
-        running.append(total)
-    return times, running
-
-
-def profiled_peak_cpu(fn: Callable[[], Any]) -> tuple[int, list[int]]:
-    """``(peak bytes, running sum after each allocator event)`` of one run of ``fn`` on
-    CPU, above what was allocated before it (the collector paused; warm ``fn`` up first)."""
-    _, running = running_bytes(profile_memory_events(fn))
-    return max([0, *running]), running
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
-from ..measure.run import profile_memory_events
+from ..measure.allocator_events import profile_memory_events, step_allocator_events
 from .memory_model import MemoryModel, OpMemory
 from ..graph.op_signature import host_identity, layout_of, op_call, recorded_values, signature_of, value_argument
 from ..recompute.rewrite import RewrittenStep
@@ -353,7 +353,7 @@ def _calibrate_batch(todo: Mapping[str, fx.Node], threads: int,
         events = profile_memory_events(run) if calls else []
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns())
                for e in events if e.name().startswith(WINDOW_PREFIX)}
-    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
+    memory = step_allocator_events(events)
     times = [t for t, _ in memory]
     measured: dict[str, OpMemory] = {}
     for i, (key, _, args, kwargs) in enumerate(calls):

@@ -26,7 +26,7 @@ from ..recompute import schedule as schedules
 from .distributed import SINGLE_PROCESS_RTOL, RunOptions, copy_for_reference
 from .fsdp import predict_fsdp
 from .launch import run_ranks
-from ..measure.run import profile_memory_events, running_bytes
+from ..measure.allocator_events import profile_memory_events, running_bytes
 from ..models.shipped import build
 from .ranks import ParallelConfig, microbatches, validate
 from ..graph.regions import assign_layers, find_layer_stack
