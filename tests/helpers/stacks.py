@@ -4,16 +4,20 @@ A ``StackSpec`` names the layer's blocks (each a tuple ``(kind, *params)``, appl
 order to a ``(batch, seq, hidden)`` activation), the input and output of the model, the
 loss, and whether layers return tuples or read an extra input shared by every layer.
 ``build(spec)`` returns ``(model, example_inputs, loss_fn)`` seeded 0, every layer of
-one class under ``model.layers``. ``stack_specs()`` is the hypothesis strategy.
+one class under ``model.layers`` (and the decoder's under ``model.dec_layers``). ``stack_specs()`` is the hypothesis strategy.
 
 Families (the issue's, and more): Linear, MLPs, LayerNorm / RMSNorm / GroupNorm /
 BatchNorm (eval), activations, in-place ops, views, slicing and cat, softmax /
 log-softmax on either dim, scaled-dot-product attention (causal, masked, with dropout)
 and eager attention with a mask buffer, dropout, masked_fill, a Linear shared by every
 layer, buffers, bf16 / fp16 casts, gather / scatter / index_select / index_add,
-einsum, cumsum, conv1d, reductions (amax, mean, logsumexp), an embedding with a
-padding index, a head tied to the embedding, layers returning tuples, an extra input
-(bias or attention mask) shared by every layer, and losses closing over targets.
+einsum, cumsum, conv1d, max / average pooling, reductions (amax, mean, logsumexp),
+BatchNorm in training mode (buffers written in place), a data-dependent scalar
+(``.item()`` picking a path and a count), an embedding with a padding index, a head tied
+to the embedding, layers returning tuples, an extra input (bias or attention mask)
+shared by every layer, losses closing over targets, layers in an ``nn.ModuleDict``
+keyed "0".."L-1", and an encoder-decoder (a second stack of decoder layers with
+cross-attention to the encoder's output).
 """
 
 from __future__ import annotations
@@ -47,13 +51,30 @@ class StackSpec:
     loss: str = "sum_sq"  # sum_sq | sum | mean | mse_target | cross_entropy | amax
     tuple_layers: bool = False
     extra: str = "none"  # none | bias | mask
+    container: str = "list"  # list (nn.ModuleList) | dict (nn.ModuleDict keyed "0".."L-1")
+    decoder_layers: int = 0  # > 0: a second stack (decoder layers with cross-attention)
 
     def describe(self) -> str:
         """A one-line description for logs and failure messages."""
         blocks = " ".join("/".join(str(p) for p in b) for b in self.blocks)
-        return (f"B={self.batch} T={self.seq} D={self.hidden} H={self.heads} L={self.num_layers} "
+        text = (f"B={self.batch} T={self.seq} D={self.hidden} H={self.heads} L={self.num_layers} "
                 f"in={self.input} head={self.head} loss={self.loss} tuple={self.tuple_layers} "
                 f"extra={self.extra} blocks=[{blocks}]")
+        if self.container != "list":
+            text += f" container={self.container}"
+        if self.decoder_layers:
+            text += f" decoder={self.decoder_layers}"
+        return text
+
+    @property
+    def stack_paths(self) -> list[str]:
+        """The module paths of the layer stacks, in the order they run."""
+        return ["layers"] + (["dec_layers"] if self.decoder_layers else [])
+
+    @property
+    def writes_buffers(self) -> bool:
+        """Whether the step writes buffers in place (BatchNorm's running statistics)."""
+        return any(b == ("norm", "batchnorm_train") for b in self.blocks)
 
 
 def _act(name: str, h: torch.Tensor) -> torch.Tensor:
@@ -81,7 +102,8 @@ class Block(nn.Module):
         elif kind == "norm":
             self.norm = {"layernorm": lambda: nn.LayerNorm(d), "rmsnorm": lambda: nn.RMSNorm(d),
                          "groupnorm": lambda: nn.GroupNorm(p[1], d),
-                         "batchnorm_eval": lambda: nn.BatchNorm1d(d).eval()}[p[0]]()
+                         "batchnorm_eval": lambda: nn.BatchNorm1d(d).eval(),
+                         "batchnorm_train": lambda: nn.BatchNorm1d(d)}[p[0]]()
         elif kind in ("sdpa", "eager_attention"):
             self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
             if kind == "eager_attention":
@@ -114,7 +136,7 @@ class Block(nn.Module):
         if kind == "norm":
             if p[0] == "groupnorm":
                 return self.norm(h.transpose(1, 2)).transpose(1, 2)
-            if p[0] == "batchnorm_eval":
+            if p[0] in ("batchnorm_eval", "batchnorm_train"):
                 return self.norm(h.reshape(-1, h.shape[-1])).view(h.shape)
             return self.norm(h)
         if kind == "act":
@@ -162,6 +184,14 @@ class Block(nn.Module):
             return torch.cumsum(h, dim=p[0]) * 0.5
         if kind == "conv1d":
             return self.conv(h.transpose(1, 2)).transpose(1, 2)
+        if kind == "pool":
+            pool = F.max_pool1d if p[0] == "max" else F.avg_pool1d
+            return pool(h.transpose(1, 2), p[1], stride=1, padding=p[1] // 2).transpose(1, 2)
+        if kind == "item_branch":
+            # a data-dependent scalar (.item()): the value picks a path and a count for
+            # this batch (traced specialized to it)
+            y = torch.relu(h) if h.mean().item() > 0 else torch.tanh(h)
+            return y * (int((h > 0).sum().item()) % 3 + 1)
         if kind == "reduce":
             r = {"amax": lambda: torch.amax(h, -1, keepdim=True), "mean": lambda: h.mean(-1, keepdim=True),
                  "logsumexp": lambda: torch.logsumexp(h, -1, keepdim=True)}[p[0]]()
@@ -206,31 +236,77 @@ class Layer(nn.Module):
         return h
 
 
+class DecoderLayer(nn.Module):
+    """One decoder layer (a second stack, of another class): the blocks in order, then
+    cross-attention from the layer's activation to the encoder's output (T5's, Whisper's
+    decoder)."""
+
+    def __init__(self, spec: StackSpec, shared: nn.Linear | None):
+        super().__init__()
+        d, self.heads = spec.hidden, spec.heads
+        for i, b in enumerate(spec.blocks):
+            self.add_module(f"b{i}", Block(spec, b, shared))
+        self.num_blocks = len(spec.blocks)
+        self.q, self.kv, self.proj = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        for i in range(self.num_blocks):
+            h = getattr(self, f"b{i}")(h, extra)
+        bsz, t, d = h.shape
+        q = self.q(h).view(bsz, t, self.heads, d // self.heads).transpose(1, 2)
+        k, v = self.kv(memory).view(bsz, memory.shape[1], 2, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return h + self.proj(out.transpose(1, 2).reshape(bsz, t, d))
+
+
+def _stack(spec: StackSpec, layers: list[nn.Module]) -> nn.Module:
+    """The layers in the spec's container: a ModuleList, or a ModuleDict keyed "0".."L-1"
+    (torchtitan's layout)."""
+    if spec.container == "dict":
+        return nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+    return nn.ModuleList(layers)
+
+
+def _in_order(stack: nn.Module) -> list[nn.Module]:
+    return list(stack.values()) if isinstance(stack, nn.ModuleDict) else list(stack)
+
+
 class GenStack(nn.Module):
-    """Input (dense or embedding), ``layers`` (one Layer class), head (none, linear,
-    tied to the embedding)."""
+    """Input (dense or embedding), ``layers`` (one Layer class, in a list or a dict),
+    optionally ``dec_layers`` (decoder layers reading the encoder's output), head (none,
+    linear, tied to the embedding)."""
 
     def __init__(self, spec: StackSpec):
         super().__init__()
         d = spec.hidden
         self.spec = spec
         shared = nn.Linear(d, d) if any(b[0] == "shared" for b in spec.blocks) else None
-        if spec.input == "dense":
-            self.inp = nn.Linear(d, d)
-        else:
-            self.inp = nn.Embedding(VOCAB, d, padding_idx=0 if spec.input == "embedding_padding" else None)
-        self.layers = nn.ModuleList(Layer(spec, shared) for _ in range(spec.num_layers))
+        self.inp = self._input(spec)
+        self.layers = _stack(spec, [Layer(spec, shared) for _ in range(spec.num_layers)])
+        if spec.decoder_layers:
+            self.dec_inp = self._input(spec)
+            self.dec_layers = _stack(spec, [DecoderLayer(spec, shared) for _ in range(spec.decoder_layers)])
         if spec.head == "linear":
             self.out = nn.Linear(d, VOCAB)
         elif spec.head == "tied":
             self.out = nn.Linear(d, VOCAB, bias=False)
             self.out.weight = self.inp.weight  # weight tying
 
+    @staticmethod
+    def _input(spec: StackSpec) -> nn.Module:
+        if spec.input == "dense":
+            return nn.Linear(spec.hidden, spec.hidden)
+        return nn.Embedding(VOCAB, spec.hidden, padding_idx=0 if spec.input == "embedding_padding" else None)
+
     def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> Any:
         h, aux = self.inp(x), None
-        for layer in self.layers:
+        for layer in _in_order(self.layers):
             out = layer(h, aux, extra)
             h, aux = out if isinstance(out, tuple) else (out, None)
+        if self.spec.decoder_layers:
+            memory, h = h, self.dec_inp(x)
+            for layer in _in_order(self.dec_layers):
+                h = layer(h, memory, extra)
         y = self.out(h) if self.spec.head != "none" else h
         return y if aux is None else (y, aux)
 
@@ -288,7 +364,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def block_strategy(hidden: int, heads: int, seq: int) -> st.SearchStrategy[tuple]:
+def block_strategy(hidden: int, heads: int, seq: int, batch: int = 1) -> st.SearchStrategy[tuple]:
     """One block of a layer (see ``Block``)."""
     odd_kernels = [k for k in (1, 3, 5) if k <= max(1, 2 * seq + 1)]
     return st.one_of(
@@ -314,6 +390,11 @@ def block_strategy(hidden: int, heads: int, seq: int) -> st.SearchStrategy[tuple
         st.tuples(st.just("cumsum"), st.sampled_from([1, -1])),
         st.tuples(st.just("conv1d"), st.sampled_from(odd_kernels), st.sampled_from(_divisors(hidden))),
         st.tuples(st.just("reduce"), st.sampled_from(["amax", "mean", "logsumexp"])),
+        st.tuples(st.just("pool"), st.sampled_from(["max", "avg"]), st.sampled_from([1, 3])),
+        st.tuples(st.just("item_branch")),
+    ) | (
+        # BatchNorm in training needs more than one value per channel: batch * seq > 1
+        st.tuples(st.just("norm"), st.just("batchnorm_train")) if batch * seq > 1 else st.nothing()
     )
 
 
@@ -324,7 +405,7 @@ def stack_specs(draw: Any, max_blocks: int = 4) -> StackSpec:
     hidden = heads * draw(st.sampled_from([2, 3, 4, 5, 8]))
     batch = draw(st.integers(1, 3))
     seq = draw(st.integers(1, 9))
-    blocks = tuple(draw(st.lists(block_strategy(hidden, heads, seq), min_size=1, max_size=max_blocks)))
+    blocks = tuple(draw(st.lists(block_strategy(hidden, heads, seq, batch), min_size=1, max_size=max_blocks)))
     inp = draw(st.sampled_from(["dense", "dense", "embedding", "embedding_padding"]))
     head = draw(st.sampled_from(["none", "linear"] + (["tied"] if inp != "dense" else [])))
     losses = ["sum_sq", "sum", "mean", "mse_target", "amax"] + (["cross_entropy"] if head != "none" else [])
@@ -340,4 +421,6 @@ def stack_specs(draw: Any, max_blocks: int = 4) -> StackSpec:
         loss=draw(st.sampled_from(losses)),
         tuple_layers=draw(st.booleans()),
         extra=extra,
+        container=draw(st.sampled_from(["list", "list", "dict"])),
+        decoder_layers=draw(st.sampled_from([0, 0, 1, 2, 3])),
     )
