@@ -271,17 +271,35 @@ def eager_grads(
 
 
 def grads_bitwise_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    """Whether two gradient lists are equal element by element, bit for bit (None = None)."""
+    """Whether two gradient lists are equal element by element, bit for bit (None = None).
+
+    Floating-point values are compared as their bit patterns, so a NaN equals a NaN of
+    the same bits (``torch.equal`` says NaN != NaN, which would call a model whose own
+    gradients hold NaN, e.g. from ``h * log_softmax(h)`` overflowing, wrongly rewritten)
+    and -0.0 differs from 0.0.
+    """
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if (x is None) != (y is None):
             return False
         if x is not None and not (
-            x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+            x.shape == y.shape and x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
         ):
             return False
     return True
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same size (their bit patterns); others as they are."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
 
 
 def max_abs_diff(a: Sequence[Any], b: Sequence[Any]) -> float:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .launch import run_ranks
-from ..measure.run import profiled_peak_cpu, run_graph
+from ..measure.run import grads_bitwise_equal, profiled_peak_cpu, run_graph
 from ..models.shipped import build
 from .ranks import ParallelConfig, StageGraph, microbatches, predict_rank, stage_inputs, stage_schedule, trace_rank
 from .ranks import validate
@@ -314,7 +314,7 @@ def _compare(graphs: dict[int, StageGraph], grads: dict[int, list[Any]], referen
             if partial:
                 got = got.clone()
                 dist.all_reduce(got, group=tp_group)
-            if not torch.equal(got, want):
+            if not grads_bitwise_equal([got], [want]):
                 bitwise = False
                 scale = float(want.abs().max()) or 1.0
                 worst = max(worst, float((got.double() - want.double()).abs().max()) / scale)
@@ -331,7 +331,7 @@ def _tp_group(graphs: Any) -> Any:
 
 
 def _grads_equal(a: dict[int, list[Any]], b: dict[int, list[Any]]) -> bool:
-    return all(len(a[s]) == len(b[s]) and all(torch.equal(x, y) for x, y in zip(a[s], b[s])) for s in a)
+    return all(grads_bitwise_equal(a[s], b[s]) for s in a)
 
 
 def _measure(fn: Any, device: str) -> int:

@@ -79,3 +79,15 @@ def test_gradient_comparisons_see_one_ulp_and_a_missing_gradient():
     assert max_abs_diff([g], [None]) == float("inf")
     assert not grads_bitwise_equal([g], [None])
     assert not grads_bitwise_equal([g], [g, g])
+
+
+def test_gradient_comparisons_are_of_bit_patterns():
+    """A NaN gradient equals the same NaN (a model whose own gradients overflow is not
+    wrongly rewritten); -0.0 is not 0.0; complex and half values compare by their bits."""
+    g = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    assert grads_bitwise_equal([g], [g.clone()])
+    assert not grads_bitwise_equal([torch.tensor([0.0])], [torch.tensor([-0.0])])
+    assert not grads_bitwise_equal([g], [torch.tensor([1.0, 0.0, float("inf"), -float("inf")])])
+    for t in (g.to(torch.bfloat16), g.to(torch.float16), torch.complex(g, g), torch.arange(4)):
+        assert grads_bitwise_equal([t], [t.clone()])
+    assert grads_bitwise_equal([g[::2]], [g[::2].clone()])
