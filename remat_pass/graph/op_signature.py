@@ -32,7 +32,9 @@ Values, for the few ops whose allocations depend on an integer tensor's values
 ``aten/src/ATen/native/GroupedMMUtils.h``) runs one ``mm`` per group over the rows its
 ``offs`` delimit, so its scratch depends on how many rows each group gets (a
 mixture-of-experts router's choice). The reference run records those values too
-(``RealLayout.values``); the signature keys on them and calibration fills them in. A
+(``RealLayout.values``), as it does a boolean mask indexing ``index`` / ``index_put``
+(``MASK_INDEX_OPS``: the backward of ``x[mask]``, whose sizes follow from how many
+elements the mask selects); the signature keys on them and calibration fills them in. A
 step without weights has no values: calibration does not run such an op; it is listed
 as not calibrated, with the reason, and the formula table's figure (none) is used.
 """
@@ -51,6 +53,9 @@ RNG_WRAPPERS = ("run_and_save_rng_state", "run_with_rng_state")
 VALUE_ARGUMENTS: dict[str, tuple[int, str]] = {"aten._grouped_mm": (2, "offs")}
 """op overload packet -> (position, name) of the integer tensor argument whose values
 decide the op's allocations."""
+MASK_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+"""Indexing ops whose boolean-mask indices' values decide their allocations (the backward
+of ``x[mask]`` is ``index_put`` with the mask)."""
 REAL_LAYOUT = "remat_real_layout"
 """``node.meta`` key of the node's RealLayout, where the real run's differs from the
 traced FakeTensor's or where its values were recorded (absent: the traced layout is the
@@ -252,14 +257,22 @@ def recorded_values(node: fx.Node) -> tuple[int, ...] | None:
     return real.values if isinstance(real, RealLayout) else None
 
 
-def value_argument(call: OpCall) -> Any:
-    """The fx argument of ``call`` whose values decide its allocations
-    (``VALUE_ARGUMENTS``), or None."""
-    where = VALUE_ARGUMENTS.get(str(call.op.overloadpacket))
-    if where is None:
-        return None
-    index, name = where
-    return call.args[index] if index < len(call.args) else call.kwargs.get(name)
+def value_arguments(call: OpCall) -> list[fx.Node]:
+    """The fx arguments of ``call`` whose values decide its allocations: the
+    ``VALUE_ARGUMENTS`` tensor, or the boolean masks among the indices of an indexing op
+    (``MASK_INDEX_OPS``: how many elements a mask selects sets the sizes the kernel
+    allocates). Empty when there is none."""
+    packet = str(call.op.overloadpacket)
+    where = VALUE_ARGUMENTS.get(packet)
+    if where is not None:
+        index, name = where
+        arg = call.args[index] if index < len(call.args) else call.kwargs.get(name)
+        return [arg] if isinstance(arg, fx.Node) else []
+    if packet in MASK_INDEX_OPS:
+        indices = call.args[1] if len(call.args) > 1 else call.kwargs.get("indices", ())
+        return [i for i in indices or () if isinstance(i, fx.Node)
+                and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)]
+    return []
 
 
 def _spec_tree(x: Any, groups: dict[int, int]) -> Any:

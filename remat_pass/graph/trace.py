@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import RematError, UnsupportedGraph
 from .buffer_updates import move_buffer_updates
-from .data_scalars import LOCAL_SCALAR, capture_specialized, error_line
+from .data_scalars import SPECIALIZED_OPS, capture_specialized, error_line
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
@@ -292,7 +292,7 @@ def _capture_real(flat: FlatStep, trace_values: Sequence[Any], dynamic: bool, fa
                     lambda fn: capture_joint(fn, trace_values, dynamic=dynamic),
                     flat.fn, flat.primal_values, flat.primal_kinds, e)
             except UnsupportedGraph as again:  # not only .item(): name the first op and its line
-                explain_untraceable(flat.fn, flat.primal_values, again, frozenset({LOCAL_SCALAR}))
+                explain_untraceable(flat.fn, flat.primal_values, again, SPECIALIZED_OPS)
                 raise
         else:
             if not fake and isinstance(e.__cause__, (RuntimeError, NotImplementedError)):

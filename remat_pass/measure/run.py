@@ -35,7 +35,7 @@ from .allocator_events import (AllocatorEvent, profile_memory_events, profiled_p
                                step_allocator_events)
 from .quiet import collector_paused as _collector_paused
 from ..graph.flat_step import split_inputs, extract_loss
-from ..graph.op_signature import RealLayout, op_call, value_argument
+from ..graph.op_signature import RealLayout, op_call, value_arguments
 from ..recompute.rewrite import RewrittenStep
 from ..graph.trace import JointGraph, RealLayouts
 
@@ -135,13 +135,14 @@ def _run_graph(gm: fx.GraphModule, args: list[Any], layouts: dict[str, RealLayou
 
 def _record_values(node: fx.Node, env: dict[fx.Node, Any], layouts: dict[str, RealLayout]) -> None:
     """Record in ``layouts`` the values of the argument of ``node``'s op whose values
-    decide its allocations (``op_signature.VALUE_ARGUMENTS``: ``_grouped_mm``'s offsets)."""
+    decide its allocations (``op_signature.value_arguments``: ``_grouped_mm``'s offsets, a
+    boolean mask of ``index_put``)."""
     call = op_call(node)
-    src = value_argument(call) if call is not None else None
-    if isinstance(src, fx.Node) and isinstance(env.get(src), torch.Tensor):
-        value = env[src]
-        layout = layouts.get(src.name) or RealLayout.of(value)
-        layouts[src.name] = dataclasses.replace(layout, values=tuple(int(v) for v in value.flatten().tolist()))
+    for src in value_arguments(call) if call is not None else ():
+        if isinstance(env.get(src), torch.Tensor):
+            value = env[src]
+            layout = layouts.get(src.name) or RealLayout.of(value)
+            layouts[src.name] = dataclasses.replace(layout, values=tuple(int(v) for v in value.flatten().tolist()))
 
 
 def _real_layout(node: fx.Node, value: Any) -> RealLayout | None:

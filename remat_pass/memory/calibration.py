@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 
 from ..measure.allocator_events import profile_memory_events, step_allocator_events
 from .memory_model import MemoryModel, OpMemory
-from ..graph.op_signature import host_identity, layout_of, op_call, recorded_values, signature_of, value_argument
+from ..graph.op_signature import host_identity, layout_of, op_call, recorded_values, signature_of, value_arguments
 from ..recompute.rewrite import RewrittenStep
 
 CACHE_ENV = "REMAT_PASS_CACHE_DIR"
@@ -154,12 +154,13 @@ class Calibrator:
             if sig is None:
                 continue
             keys.append(sig.key)
-            values = value_argument(op_call(n))  # type: ignore[arg-type]
-            if isinstance(values, fx.Node) and recorded_values(values) is None:
+            unknown = [v for v in value_arguments(op_call(n)) if recorded_values(v) is None]  # type: ignore[arg-type]
+            if unknown:
                 # before the cache: an older cache holds this key calibrated with zeros
                 self._entries.pop(sig.key, None)
-                self._failed[sig.key] = (f"its allocations depend on the values of {values.name} (how a router "
-                                         "splits the tokens among experts), which only a run of the step has")
+                self._failed[sig.key] = (f"its allocations depend on the values of {unknown[0].name} (how a router "
+                                         "splits the tokens among experts, how many elements a boolean mask "
+                                         "selects), which only a run of the step has")
                 continue
             if sig.key in self._entries or sig.key in self._failed or sig.key in todo:
                 continue

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from remat_pass.errors import UnsupportedGraph
 from remat_pass.evaluate.session import Session
 from remat_pass.recompute.schedule import distinct_megatron_schedules
 
@@ -60,15 +59,15 @@ def test_opt_plan_columns_fit_their_budget(script):
 
 
 @pytest.mark.slow
-def test_data_dependent_moe_is_a_refusal_row_naming_its_reason(script):
+def test_data_dependent_moe_is_traced_for_its_routing_and_exact(script):
+    """transformers' eager experts loop (issue 23: was refused at nonzero) is traced
+    specialized to the batch's routing; the session's notes give the tokens per expert."""
     pytest.importorskip("transformers")
-    d = script.model_row("qwen3_moe_eager")
-    assert d["status"] == "refused" and d["stage"] == "trace" and d["rows"] == []
-    assert d["reason"].startswith("UnsupportedGraph: ") and "nonzero" in d["reason"]
-    assert "\n" not in d["reason"]
+    assert_exact_row(script.model_row("qwen3_moe_eager"))
     model, inputs, loss_fn, _ = script.MODELS["qwen3_moe_eager"][1]()
-    with pytest.raises(UnsupportedGraph, match="nonzero"):  # the row says what Session.create says
-        Session.create(model, inputs, loss_fn)
+    notes = Session.create(model, inputs, loss_fn).joint.specialized
+    routed = [n for n in notes if n.startswith("aten.nonzero at ") and "torch.where(expert_mask[expert_idx])" in n]
+    assert len(routed) == 1 and "rows; the sizes that follow from it (e.g. the tokens routed to each expert)" in routed[0]
 
 
 @pytest.mark.slow

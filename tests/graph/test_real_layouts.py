@@ -100,7 +100,7 @@ def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():
     transformers = pytest.importorskip("transformers")
     from remat_pass.graph.fake_trace import trace_joint_fake
     from remat_pass.models.hf_families import mixtral
-    from remat_pass.graph.op_signature import VALUE_ARGUMENTS, op_call, recorded_values, value_argument
+    from remat_pass.graph.op_signature import VALUE_ARGUMENTS, op_call, recorded_values, value_arguments
     from remat_pass.graph.regions import assign_layers
     from remat_pass.recompute.rewrite import rewrite
 
@@ -118,7 +118,7 @@ def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():
     nodes = grouped(step.forward) + grouped(step.backward)
     assert nodes
     for n in nodes:
-        offs = value_argument(op_call(n))
+        (offs,) = value_arguments(op_call(n))
         values = recorded_values(offs)
         assert values is not None and len(values) == offs.meta["val"].numel() and values[-1] > 0, n.name
     memory = session.memory_model(step)

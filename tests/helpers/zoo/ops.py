@@ -127,6 +127,12 @@ class MaskIndex(Block):
         return h[h > 0].sum() + x
 
 
+class MaskedSelect(Block):
+    def forward(self, x):
+        h = self.fc1(x)
+        return torch.masked_select(h, h > 0).sum() + x
+
+
 def hidden_stack() -> Stack:
     return Stack(layers_of(2), return_hidden=True)
 
@@ -211,10 +217,16 @@ ENTRIES: tuple[ZooEntry, ...] = (
         num_layers=2,
     ),
     ZooEntry(
-        "data_dependent_mask_index_is_refused",
+        "data_dependent_mask_index_specialized",
         stack_of(MaskIndex, 2),
-        "boolean-mask indexing (data-dependent shape): refused as UnsupportedGraph.",
-        refusal=refused(UnsupportedGraph),
+        "boolean-mask indexing (data-dependent shape): traced specialized to the rows it selects in this batch.",
+        num_layers=2,
+    ),
+    ZooEntry(
+        "data_dependent_masked_select_is_refused",
+        stack_of(MaskedSelect, 2),
+        "masked_select (a data-dependent shape not specialized): refused as UnsupportedGraph naming it.",
+        refusal=refused(UnsupportedGraph, "masked_select"),
     ),
     ZooEntry(
         "non_scalar_loss_is_refused",
