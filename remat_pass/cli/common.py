@@ -67,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "float32 for --config)")
     g.add_argument("--autocast", choices=("bfloat16", "float16"),
                    help="mixed precision: fp32 parameters, the forward under torch.autocast in this dtype")
+    g.add_argument("--routing-capacity", type=positive_int, metavar="TOKENS",
+                   help="a mixture-of-experts model: predict and measure the worst routing with at most TOKENS "
+                        "tokens per expert instead of this batch's (every router top-k is forced to it)")
     g.add_argument("--trace-all-layers", action="store_true",
                    help="trace every layer of a large --meta model instead of analysing it from a few")
     t = p.add_argument_group("target and static memory")
@@ -103,7 +106,8 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         seed=args.seed, target=args.target, gpu=args.gpu or DEFAULT_GPU, optimizer=args.optimizer,
         master_weights=args.master_weights, device_memory=args.device_memory,
         trace_all_layers=args.trace_all_layers, allocator=getattr(args, "allocator", None),
-        factory_kwargs=tuple(getattr(args, "factory_kwargs", {}).items()))
+        factory_kwargs=tuple(getattr(args, "factory_kwargs", {}).items()),
+        routing_capacity=getattr(args, "routing_capacity", None))
 
 
 def model_name(args: argparse.Namespace) -> str:

@@ -35,6 +35,7 @@ import torch
 
 from ..graph.fake_trace import trace_model
 from ..graph.regions import LayerStack, assign_layers, find_layer_stacks
+from ..graph.routing import bound_routing
 from ..graph.trace import JointGraph
 from ..liveness.layer_reuse import ReusedLayers
 from ..liveness.layer_roles import TEMPLATE_LAYERS
@@ -88,6 +89,9 @@ class StepOptions:
             target's).
         output: ``"loss"`` or ``"activation"`` (a pipeline stage, ``trace_joint``).
         seed: the weights and token ids of a config model.
+        routing_capacity: predict a mixture-of-experts model for the worst routing
+            with at most this many tokens per expert (``routing.bound_routing``; a
+            model with weights, not a config); None: the batch's own routing.
     """
 
     model: Any = DEFAULT_MODEL
@@ -111,6 +115,7 @@ class StepOptions:
     allocator: str | None = None
     output: str = "loss"
     seed: int = 0
+    routing_capacity: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +168,7 @@ def trace_step(o: StepOptions, log: Callable[[str], None] | None = None) -> Trac
     Raises:
         ConfigError: an unknown target or GPU, a config that fails its checks
             (``configs.load_config``, ``configs.check_spec``), a factory that cannot
-            build on the meta device.
+            build on the meta device, a routing capacity without weights.
         LayerStackNotFound: no layer stack (before anything is traced).
         UnsupportedGraph, RematError, ValueError, ImportError: as the factory and
             ``fake_trace.trace_model`` raise them.
@@ -171,6 +176,10 @@ def trace_step(o: StepOptions, log: Callable[[str], None] | None = None) -> Trac
     log = log or (lambda _text: None)
     check_target(o.target, o.gpu)
     fake = o.fake or o.meta or o.target == "cuda"
+    if o.routing_capacity is not None and (fake or o.config is not None):
+        raise ConfigError("--routing-capacity traces the routing from a run of a model with weights on the CPU "
+                          "target (built by --model or given as a module): it does not apply with --meta, "
+                          "--target cuda or --config")
     if o.config is not None:
         model, inputs, loss_fn, what, fake, reused = _from_config(o, fake, log)
         if reused is not None:
@@ -182,6 +191,9 @@ def trace_step(o: StepOptions, log: Callable[[str], None] | None = None) -> Trac
         model, inputs, loss_fn, what = o.model, o.example_inputs, o.loss_fn, type(o.model).__name__
     if o.autocast is not None:
         model = with_autocast(model, "cpu", o.autocast)
+    if o.routing_capacity is not None:
+        model = bound_routing(model, o.routing_capacity)
+        what += f" (routing bound: at most {o.routing_capacity} tokens per expert)"
     log(f"tracing {what} ({'without weights, ' if fake else ''}target {o.target}) ...")
     joint, stack = _trace(o, model, inputs, loss_fn, fake)
     return TracedStep(joint, stack, model, inputs, loss_fn, None, stack.layers_per_stack, what)

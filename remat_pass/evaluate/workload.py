@@ -71,6 +71,8 @@ class WorkloadOptions:
             default: the target's); ``cuda`` with the CPU target keeps the CPU trace.
         factory_kwargs: more keyword arguments of the factory, as ``(name, value)`` pairs
             (``remat-pass megatron`` passes a Megatron-LM command's model shape).
+        routing_capacity: a mixture-of-experts model predicted for the worst routing
+            with at most this many tokens per expert (``StepOptions``).
     """
 
     model: str = DEFAULT_MODEL
@@ -94,6 +96,7 @@ class WorkloadOptions:
     trace_all_layers: bool = False
     allocator: str | None = None
     factory_kwargs: tuple[tuple[str, Any], ...] = ()
+    routing_capacity: int | None = None
 
     def step_options(self) -> StepOptions:
         """What to build and trace, for the one builder (``traced_step.trace_step``)."""
@@ -101,7 +104,7 @@ class WorkloadOptions:
                            autocast=self.autocast, batch=self.batch, seq=self.seq, layers=self.layers,
                            meta=self.meta, target=self.target, gpu=self.gpu, stack=self.stack,
                            reuse_layers=not self.trace_all_layers, allocator=self.allocator, seed=self.seed,
-                           factory_kwargs=dict(self.factory_kwargs))
+                           factory_kwargs=dict(self.factory_kwargs), routing_capacity=self.routing_capacity)
 
 
 def check_options(o: WorkloadOptions) -> int | None:

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from ..errors import RematError, UnsupportedGraph
 from .buffer_updates import move_buffer_updates
 from .data_scalars import SPECIALIZED_OPS, capture_specialized, error_line
+from .routing import ROUTING_NOTE
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
@@ -113,6 +114,7 @@ class JointGraph:
         specialized: the data-dependent scalars (``.item()``) the graph holds as
             constants, each ``"... = value at file:line"``: the graph, and every figure
             of it, holds for this batch (and any batch giving the same values).
+        routing: the routing a bound router took instead of the batch's (``routing.bound_routing``).
         symbols: for a symbolic trace (``trace_joint(..., symbols=...)``), the user's
             name of each shape symbol (``"batch"``) -> the sympy Symbols AOTAutograd
             used for the input dimensions given that name (``(s0, s2)``); empty for a
@@ -143,12 +145,15 @@ class JointGraph:
     output: str = "loss"
     buffer_updates: tuple[int, ...] = ()
     specialized: tuple[str, ...] = ()
+    routing: str | None = None
 
     @property
     def notes(self) -> tuple[str, ...]:
         """What every output about this step must say besides its figures: the batch
         values the graph is specialized to (``specialized``), the buffers it writes."""
-        out = tuple(f"the graph holds for this batch only: traced specialized to {s}" for s in self.specialized)
+        which = "the bound routing" if self.routing else "this batch"
+        out = ((self.routing,) if self.routing else ()) + tuple(
+            f"the graph holds for {which} only: traced specialized to {s}" for s in self.specialized)
         if self.buffer_updates:
             written = [self.primal_labels[i] for i in self.buffer_updates]
             out += (f"the step writes {len(written)} buffers / inputs in place ({', '.join(written[:3])}"
@@ -175,10 +180,7 @@ class JointGraph:
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -268,8 +270,9 @@ def trace_joint(
     trace_values, dims_of_symbol, shape_env = symbolic_trace_values(flat, symbols)
     fake = any(isinstance(v, FakeTensor) for v in flat.primal_values)
     joint, num_fwd_outputs, specialized = _capture_real(flat, trace_values, bool(symbols), fake)
-    return joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
-                       fake=fake, output=output, tangent_values=tangent_values, specialized=specialized)
+    return dataclasses.replace(joint_graph(flat, joint, num_fwd_outputs, model, trace_values, dims_of_symbol, shape_env,
+                               fake=fake, output=output, tangent_values=tangent_values, specialized=specialized),
+                               routing=getattr(model, ROUTING_NOTE, None))
 
 
 def _capture_real(flat: FlatStep, trace_values: Sequence[Any], dynamic: bool, fake: bool
@@ -400,7 +403,6 @@ def joint_graph(
     )
 
 
-
 def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any],
                   dynamic: bool, fake_mode: FakeTensorMode | None = None) -> tuple[fx.GraphModule, int]:
     """AOTAutograd's joint graph of ``step`` at ``trace_values`` and its number of
@@ -465,13 +467,10 @@ def _drop_opaque_gradients(joint: fx.GraphModule, kinds: Sequence[str], num_fwd_
     that gradient output None, as for any primal without a gradient."""
     out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outs = list(out.args[0])
-    changed = False
-    for i, kind in enumerate(kinds):
-        j = num_fwd_outputs + i
-        if kind == "opaque" and j < len(outs) and outs[j] is not None:
-            outs[j] = None
-            changed = True
-    if changed:
+    opaque = [j for j, kind in enumerate(kinds, num_fwd_outputs) if kind == "opaque" and j < len(outs) and outs[j] is not None]
+    for j in opaque:
+        outs[j] = None
+    if opaque:
         out.args = (outs,)
         joint.graph.lint()
         joint.recompile()

@@ -71,6 +71,25 @@ def test_data_dependent_moe_is_traced_for_its_routing_and_exact(script):
 
 
 @pytest.mark.slow
+def test_moe_bound_routing_is_exact_and_costs_at_least_the_batch_routing(script):
+    """Qwen3-MoE's eager loop with its router bound (``routing.bound_routing``): every
+    Megatron setting exact, gradients equal to eager's under that routing, no peak below
+    the batch routing's."""
+    pytest.importorskip("transformers")
+    from remat_pass.graph.routing import bound_routing
+
+    peaks = []
+    for capacity in (None, 24):
+        model, inputs, loss_fn, _ = script.MODELS["qwen3_moe_eager"][1]()
+        session = Session.create(model if capacity is None else bound_routing(model, capacity), inputs, loss_fn)
+        rows = [session.evaluate(s) for s in distinct_megatron_schedules(session.stack.layers_per_stack)]
+        assert all(r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes for r in rows)
+        assert all(r.max_grad_diff_vs_eager == 0.0 for r in rows)
+        peaks.append([r.measured_peak_bytes for r in rows])
+    assert all(b <= w for b, w in zip(*peaks)), peaks
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,package", [("tv_resnet18", "torchvision"), ("timm_vit_tiny", "timm")])
 def test_vision_rows_are_traced_and_exact(script, name, package):
     pytest.importorskip(package)
