@@ -31,7 +31,7 @@ from .routing import ROUTING_NOTE
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
-from .trace_context import constant_values_mode, eager_semantics
+from .trace_context import constant_values_mode, cpu_decompositions, eager_semantics
 from .untraceable import explain_untraceable, known_trace_error, quiet_fake_tensor_log
 
 
@@ -428,7 +428,7 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         raise _JointCaptured(joint, num_fwd_outputs)
 
     compiled = aot_function(step, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                            partition_fn=capture, dynamic=dynamic)
+                            partition_fn=capture, dynamic=dynamic, decompositions=cpu_decompositions(trace_values))
     fake_mode = fake_mode or constant_values_mode()  # closed-over tensors become graph constants
     try:
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext

@@ -32,6 +32,14 @@ decomposition AOTAutograd traces (``torch/_decomp/decompositions.py``, ``dropout
 returns ``input.clone()``: one more activation per call, kept for backward when it is
 saved (Megatron's attention dropout at p = 0: b x heads x s^2 x 4 bytes per layer).
 While tracing, such a call returns its input, as eager does, so the graph holds no copy.
+
+**Dropout's backward as the CPU kernel runs it** (``cpu_decompositions``). The meta
+function of ``aten.native_dropout_backward`` returns a contiguous gradient, but its CPU
+kernel is ``grad * mask * scale`` (``native/Dropout.cpp``), whose output takes the layout
+of ``grad`` (after a conv1d, a transpose). A graph traced with the contiguous layout can
+hold a ``view`` that the real tensors refuse (the step cannot run) or a copy they do not
+make. A step traced for the CPU traces it as those two multiplications, whose meta
+functions follow the kernels' strides; the same ops, values and bytes as the kernel.
 """
 
 from __future__ import annotations
@@ -170,6 +178,20 @@ def eager_no_op_dropout() -> Iterator[None]:
     returns its input instead of AOTAutograd's ``clone`` (see the module docstring)."""
     with _EagerNoOpDropout():
         yield
+
+
+def _dropout_backward_as_cpu(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return grad * mask * scale
+
+
+def cpu_decompositions(trace_values: Any) -> dict[Any, Any]:
+    """The decompositions ``capture_joint`` gives AOTAutograd: dropout's backward as the
+    CPU kernel runs it (module docstring) when no traced value is on another device
+    than the CPU (a CUDA target's fused kernel is traced as it is)."""
+    leaves = [v for v in torch.utils._pytree.tree_leaves(list(trace_values)) if isinstance(v, torch.Tensor)]
+    if any(v.device.type != "cpu" for v in leaves):
+        return {}
+    return {torch.ops.aten.native_dropout_backward.default: _dropout_backward_as_cpu}
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Ops whose meta function and CPU kernel disagree on an output's strides.
 
-``native_dropout_backward`` is traced with a contiguous output, but its CPU kernel
-returns the layout of its input: after a conv1d (whose gradient input is a transpose),
+``native_dropout_backward``'s meta function returns a contiguous output, but its CPU
+kernel returns the layout of its input (it is traced as that kernel's ``grad * mask *
+scale`` now, so its layout is right; the real layouts below are recorded for every op): after a conv1d (whose gradient input is a transpose),
 that layout makes the transpose that follows contiguous, and ``convolution_backward``
 then makes no contiguous copy of it. Calibration used to run each op on the traced
 strides and charged that copy; the pass now records the real layout of every value in
@@ -17,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat_pass.recompute import schedule as schedules
-from remat_pass.errors import UnsupportedGraph
 from remat_pass.evaluate.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,18 +78,21 @@ def test_conv1d_behind_dropout_is_exact(dropout_first, shared):
     assert [p for _, p, _, _ in rows] == [m for _, _, m, _ in rows], rows
 
 
-def test_prediction_refuses_a_step_that_cannot_run():
-    """At batch 2 the real layout of ``native_dropout_backward``'s output makes the
-    traced ``view`` of the Linear backward that follows impossible (``view size is not
-    compatible``): the un-rewritten step cannot run, so no real layout, calibration or
-    peak is valid for it. Predicting alone (``report``, no ``evaluate``) refuses it,
-    naming the view and the op whose real layout differed, as running it does."""
+def test_dropout_backward_is_traced_with_the_cpu_kernels_layout():
+    """Before: at batch 2 the real layout of ``native_dropout_backward``'s output made
+    the traced ``view`` of the Linear backward that follows impossible (``view size is
+    not compatible``), and the step was refused. Traced as the CPU kernel runs it
+    (``grad * mask * scale``: ``trace_context.cpu_decompositions``), its layout is the
+    real one: every schedule runs, predicted to the byte, gradients bitwise equal to
+    the un-rewritten step's and to eager PyTorch's."""
     torch.manual_seed(0)
     model = ConvStack(4, 2, dropout_first=True, shared=False, linear_input=True)
     session = Session.create(model, (torch.randn(2, 5, 4),), lambda y: (y * y).sum())
-    with pytest.raises(UnsupportedGraph, match=r"cannot run: node view\w* \(aten\.view\.default\)") as e:
-        session.report(schedules.none(session.stack.layers_per_stack))
-    assert "native_dropout_backward" in str(e.value)
+    assert not any(n.target is torch.ops.aten.native_dropout_backward.default for n in session.joint.gm.graph.nodes)
+    for s in schedules.distinct_megatron_schedules(session.stack.layers_per_stack):
+        r = session.evaluate(s)
+        assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, s.provenance
+        assert r.max_grad_diff_vs_eager == 0.0, s.provenance
 
 
 def test_grouped_mm_offsets_are_recorded_and_needed_for_calibration():

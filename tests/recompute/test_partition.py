@@ -117,11 +117,11 @@ def test_dropout_stack_uniform2_replays_rng_and_saves_the_mask_once(dropout_stac
            "add_2": "read by the backward of the outer region (mm_1), outside the group"},
           [((2,), ("t_4", "addmm_4", "tanh_2", "detach_2", "t_5", "addmm_5", "mul_3",
                    "native_dropout_2", "getitem_5"),
-            ("add_1", "mul"), "native_dropout_backward", ("native_dropout_2",)),
+            ("add_1", "mul"), "mul_6", ("native_dropout_2",)),
            ((0, 1), ("t", "addmm", "tanh", "detach", "t_1", "addmm_1", "mul_1", "native_dropout",
                      "getitem", "getitem_1", "add", "t_2", "addmm_2", "tanh_1", "detach_1", "t_3",
                      "addmm_3", "mul_2", "native_dropout_1", "getitem_3"),
-            ("mul",), "native_dropout_backward_1", ("native_dropout", "native_dropout_1"))])
+            ("mul",), "mul_9", ("native_dropout", "native_dropout_1"))])
 
 
 def test_dropout_stack_block1(dropout_stack):
@@ -132,7 +132,7 @@ def test_dropout_stack_block1(dropout_stack):
           {"add": "read by the backward of layer 1 (mm_9), outside the group"},
           [((0,), ("t", "addmm", "tanh", "detach", "t_1", "addmm_1", "mul_1", "native_dropout",
                    "getitem_1"),
-            ("mul",), "native_dropout_backward_2", ("native_dropout",))])
+            ("mul",), "mul_12", ("native_dropout",))])
 
 
 def test_dropout_stack_none(dropout_stack):
