@@ -31,7 +31,7 @@ from .routing import ROUTING_NOTE
 from .flat_step import FlatStep, LossFn, flatten_primals, flatten_step
 from .op_signature import RealLayout
 from .shape_symbols import named_symbols, symbolic_trace_values
-from .trace_context import constant_values_mode, cpu_decompositions, eager_semantics
+from .trace_context import constant_values_mode, cpu_decompositions, cpu_kernel_layouts, eager_semantics
 from .untraceable import explain_untraceable, known_trace_error, quiet_fake_tensor_log
 
 
@@ -434,7 +434,8 @@ def capture_joint(step: Callable[..., torch.Tensor], trace_values: Sequence[Any]
         # a symbolic trace brings its own fake mode (in its inputs); a TracingContext
         # there would make Hugging Face models take data-dependent branches
         context = contextlib.nullcontext() if dynamic else tracing(TracingContext(fake_mode))
-        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log(), eager_semantics():
+        with fx_traceback.preserve_node_meta(), context, quiet_fake_tensor_log(), eager_semantics(), \
+                cpu_kernel_layouts(trace_values):
             compiled(*trace_values)
     except _JointCaptured as c:
         return c.joint, c.num_fwd_outputs

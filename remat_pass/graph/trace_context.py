@@ -40,6 +40,18 @@ of ``grad`` (after a conv1d, a transpose). A graph traced with the contiguous la
 hold a ``view`` that the real tensors refuse (the step cannot run) or a copy they do not
 make. A step traced for the CPU traces it as those two multiplications, whose meta
 functions follow the kernels' strides; the same ops, values and bytes as the kernel.
+
+**Batch norm's output layout** (``cpu_kernel_layouts``). Batch norm's meta functions
+(train and eval) give the output the strides of a non-contiguous input (a transposed
+view), but the CPU kernel allocates it in the input's suggested memory format
+(contiguous, or channels-last for a channels-last input: ``batch_norm_cpu``,
+``native/Normalization.cpp``). A later op traced on the wrong layout fails on the real
+tensors (group norm's kernel requires a contiguous input; its ``contiguous()`` was
+elided), and so does its backward's gradient. On a CPU trace such an input is copied
+into its suggested format first: one copy that eager does not make, counted (the
+figures are of the traced step), where the step would otherwise not run. The kernel
+then reduces over another layout than eager's: gradients equal to the traced step's
+bit for bit, to eager's within rounding (1e-6 relative in the tests).
 """
 
 from __future__ import annotations
@@ -192,6 +204,40 @@ def cpu_decompositions(trace_values: Any) -> dict[Any, Any]:
     if any(v.device.type != "cpu" for v in leaves):
         return {}
     return {torch.ops.aten.native_dropout_backward.default: _dropout_backward_as_cpu}
+
+
+def _suggested_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+class _CpuBatchNormLayout(torch.overrides.TorchFunctionMode):
+    """``batch_norm`` of an input that is not in its suggested memory format runs on a
+    copy in that format, so that its output and its backward's gradient are traced in
+    the layouts the CPU kernels give them."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "batch_norm" and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            fmt = _suggested_format(x)
+            if not x.is_contiguous(memory_format=fmt):
+                args = (x.contiguous(memory_format=fmt), *args[1:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_kernel_layouts(trace_values: Any) -> Iterator[None]:
+    """While active, and when every traced value is on the CPU, batch norm is traced with
+    the CPU kernel's output layout (module docstring)."""
+    if cpu_decompositions(trace_values):
+        with _CpuBatchNormLayout():
+            yield
+    else:
+        yield
 
 
 @contextlib.contextmanager
