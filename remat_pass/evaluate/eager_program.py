@@ -134,8 +134,9 @@ def with_checkpoints(model: nn.Module, schedule: Schedule, layers: str | None = 
 def _transformers_per_layer(copied: nn.Module, path: str, stack: nn.Module, children: list[str],
                             schedule: Schedule, use_reentrant: bool) -> None:
     """transformers' own per-layer checkpointing (GradientCheckpointingLayer), which also
-    turns the KV cache off while training, as users enable it; on for the recomputed
-    layers only."""
+    turns the KV cache off while training, as users enable it; on for the stack's
+    recomputed layers only, off for every other layer of the model (the layers of another
+    stack, such as a T5's decoder blocks, which the enable call also switches on)."""
     kwargs = {"use_reentrant": use_reentrant}
     if hasattr(copied, "activation_checkpointing_enable"):  # transformers 5 (the old name is deprecated)
         copied.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -147,7 +148,14 @@ def _transformers_per_layer(copied: nn.Module, path: str, stack: nn.Module, chil
         if not hasattr(layer, "gradient_checkpointing"):
             raise RematError(f"{path}.{name} ({type(layer).__name__}) is not a transformers "
                              "GradientCheckpointingLayer: its checkpointing cannot be set per layer")
-        layer.gradient_checkpointing = name in recomputed
+    # the enable call switched on every GradientCheckpointingLayer of the model (a T5's
+    # decoder blocks too): only the stack's recomputed layers stay on
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ours = {id(stack.get_submodule(name)) for name in recomputed}
+    for module in copied.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = id(module) in ours
 
 
 @contextlib.contextmanager

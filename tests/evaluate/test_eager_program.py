@@ -78,6 +78,42 @@ def test_transformers_eager_program_is_predicted_to_the_byte(family):
         assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r)
 
 
+def test_a_setting_on_one_stack_checkpoints_that_stack_only():
+    """transformers' enable call switches on every GradientCheckpointingLayer of the
+    model; a setting on T5's encoder stack leaves its decoder blocks un-checkpointed
+    (they were all recomputed, so the eager program was another setting than the
+    rewrite's)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from remat_pass.models import hf_families
+
+    model, _, _ = hf_families.t5()
+    wrapped = with_checkpoints(model, schedules.block(1, 3), layers="encoder.block")
+    on = [name for name, m in wrapped.named_modules()
+          if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    assert on == ["encoder.block.0"]
+    assert any(isinstance(m, GradientCheckpointingLayer) for m in wrapped.decoder.modules())
+
+
+@pytest.mark.slow
+def test_the_rewrite_uses_at_most_the_eager_programs_memory_on_t5():
+    """Issue 19's rule on a two-stack model: at every setting of T5's encoder stack the
+    rewritten step's measured peak is at most the eager program's (transformers' own
+    checkpointing on the same layers), gradients bitwise equal."""
+    from remat_pass.evaluate.session import Session
+    from remat_pass.models import hf_families
+
+    model, inputs, loss_fn = hf_families.t5()
+    session = Session.create(model, inputs, loss_fn, layers="encoder.block")
+    for sch in [schedules.none(3), schedules.uniform(1, 3), schedules.block(1, 3), schedules.block(2, 3)]:
+        eager = eager_program(model, inputs, loss_fn, sch, layers="encoder.block")
+        rewrite = session.evaluate(sch)
+        assert eager.predicted.peak_bytes == eager.measured_peak_bytes, sch.provenance
+        assert rewrite.grads_equal, sch.provenance
+        assert rewrite.measured_peak_bytes <= eager.measured_peak_bytes, (sch.provenance, rewrite.measured_peak_bytes,
+                                                                         eager.measured_peak_bytes)
+
+
 def test_the_recording_leaves_the_model_as_it_was():
     """The step is recorded on fake copies: the model's parameters and ``.grad`` are
     untouched, and the trace has every op of forward, loss and backward."""
