@@ -15,6 +15,7 @@ together. HiGHS's C output is kept off stdout across the overlapping solves
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -32,16 +33,19 @@ def usable_cpus() -> int:
 
 def solve_layer_fronts(graphs: Sequence[LayerGraph], limits: SolveLimits | None = None,
                        workers: int | None = None) -> list[LayerFront]:
-    """``[solve_layer_front(g, limits) for g in graphs]`` on up to ``workers`` threads
-    (default: ``usable_cpus()``; at most one per graph; one runs them in turn here).
+    """``[solve_layer_front(g, limits, deadline) for g in graphs]`` on up to ``workers``
+    threads (default: ``usable_cpus()``; at most one per graph; one runs them in turn
+    here), every front stopping at one deadline ``limits.fronts_time_s`` after the call.
 
     Raises:
         RematError: as ``solve_layer_front`` (HiGHS fails).
     """
+    limits = limits or SolveLimits()
+    deadline = time.perf_counter() + limits.fronts_time_s  # shared by every kind
     workers = min(len(graphs), usable_cpus() if workers is None else max(1, workers))
     if workers <= 1:
-        return [solve_layer_front(g, limits) for g in graphs]
+        return [solve_layer_front(g, limits, deadline) for g in graphs]
     order = sorted(range(len(graphs)), key=lambda i: -len(graphs[i].values))  # largest first
     with ThreadPoolExecutor(workers, thread_name_prefix="layer-front") as pool:
-        futures = {i: pool.submit(solve_layer_front, graphs[i], limits) for i in order}
+        futures = {i: pool.submit(solve_layer_front, graphs[i], limits, deadline) for i in order}
         return [futures[i].result() for i in range(len(graphs))]

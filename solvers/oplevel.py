@@ -181,6 +181,11 @@ class SolveLimits:
         mip_rel_gap: HiGHS ``mip_rel_gap`` (0: solved to proven optimality).
         front_time_s: seconds for the whole front of one layer kind; when spent, the
             front stops and its least-bytes end is solved once.
+        fronts_time_s: seconds for the fronts of every layer kind of one plan together
+            (``front_pool.solve_layer_fronts``, one deadline shared by the kinds, on
+            however many threads): a front still running then stops as at
+            ``front_time_s``, and one that starts after it keeps its two ends only (a
+            model of many kinds, such as EfficientNet's 14, is bounded as one of a few).
         max_points: the most points a front keeps (the least-bytes end is kept).
         calibrate_time_s: seconds the caller may spend calibrating the points (the op
             planner's liveness profiles, ``remat_pass.plan.op_planner``): past it, the
@@ -193,11 +198,12 @@ class SolveLimits:
     program_time_s: float = 5.0
     mip_rel_gap: float = 0.0
     front_time_s: float = 15.0
+    fronts_time_s: float = 30.0
     max_points: int = 64
     calibrate_time_s: float = 20.0
 
     def __post_init__(self) -> None:
-        for name in ("program_time_s", "mip_rel_gap", "front_time_s", "calibrate_time_s"):
+        for name in ("program_time_s", "mip_rel_gap", "front_time_s", "fronts_time_s", "calibrate_time_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise RematError(f"SolveLimits.{name} must be a number >= 0, got {v!r}")
@@ -350,10 +356,12 @@ def layer_front(g: LayerGraph, max_points: int = 64, limits: SolveLimits | None 
     return list(solve_layer_front(g, limits).points)
 
 
-def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None) -> LayerFront:
+def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None,
+                      deadline: float | None = None) -> LayerFront:
     """Every Pareto-optimal (saved bytes, recompute cost) decision of the layer, least
     cost first, within ``limits`` (at most ``limits.max_points``; the least-bytes end is
-    kept when cut).
+    kept when cut) and before ``deadline`` (a ``time.perf_counter()`` value: the plan's
+    shared bound, ``limits.fronts_time_s``; None: none).
 
     Each point is the least recompute cost among decisions saving at most a cap (an
     integer program; HiGHS ``time_limit`` and ``mip_rel_gap`` from ``limits``, an
@@ -376,7 +384,8 @@ def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None) -> Layer
     gap, programs, complete = 0, 0, True
     cap = float(prog.bytes.sum()) + 1
     while cap >= 0:
-        left = limits.front_time_s - (time.perf_counter() - t0)
+        now = time.perf_counter()
+        left = min(limits.front_time_s - (now - t0), np.inf if deadline is None else deadline - now)
         if left <= 0 and found:
             complete = False
             break

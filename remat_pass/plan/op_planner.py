@@ -464,8 +464,9 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
                          + ", ".join(f"layers {list(k.layers)} {a} of {b} trade-off points" for k, (a, b) in uncalibrated))
         if cut:
             parts.append(f"the trade-off of {len(cut)} layer kind(s) (layers "
-                         f"{', '.join(str(k.layers[0]) for k in cut)}) was cut after "
-                         f"{self.limits.front_time_s:g} s (its least-bytes end kept)")
+                         f"{', '.join(str(k.layers[0]) for k in cut)}) was cut by its time bound "
+                         f"({self.limits.front_time_s:g} s per kind, {self.limits.fronts_time_s:g} s for "
+                         "all kinds; its least-bytes end kept)")
         if self.front_gap_cost:
             parts.append(f"HiGHS stopped at its time limit ({self.limits.program_time_s:g} s per program) "
                          f"with a proven gap of {self.front_gap_cost} cost units")
