@@ -231,6 +231,7 @@ def megatron_gpt(
     dropout: float = 0.1,
     seed: int = 0,
     max_positions: int | None = None,
+    tied_embeddings: bool = False,
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """Megatron-Core's ``GPTModel`` with the local layer spec
     (``gpt_layer_specs.get_gpt_layer_local_spec()``: Megatron's own attention, MLP and
@@ -247,6 +248,10 @@ def megatron_gpt(
         dropout: ``--attention-dropout`` and ``--hidden-dropout``.
         seed: ``--seed``: the weights, the token ids and the RNG tracker.
         max_positions: ``--max-position-embeddings`` (default ``seq``; at least ``seq``).
+        tied_embeddings: the output layer uses the word embedding's weight
+            (``GPTModel(share_embeddings_and_output_weights=True)``, what Megatron-LM's
+            ``pretrain_gpt.py`` builds unless ``--untie-embeddings-and-output-weights``);
+            default False, ``GPTModel``'s own default.
 
     Returns:
         ``(model, inputs, mean_loss)``: ``inputs`` holds ``input_ids``,
@@ -266,15 +271,7 @@ def megatron_gpt(
         ...     loss_fn(model(**inputs)).shape, len(model.decoder.layers)
         (torch.Size([]), 1)
     """
-    for name, v in (("batch", batch), ("seq", seq), ("layers", layers), ("hidden", hidden),
-                    ("heads", heads), ("vocab", vocab)):
-        if v < 1:
-            raise ValueError(f"megatron_gpt: {name} must be >= 1, got {v}")
-    if hidden % heads:
-        raise ValueError(f"megatron_gpt: hidden ({hidden}) must be a multiple of heads ({heads})")
-    max_positions = seq if max_positions is None else max_positions
-    if max_positions < seq:
-        raise ValueError(f"megatron_gpt: max_positions ({max_positions}) must be at least seq ({seq})")
+    max_positions = _checked_sizes(batch, seq, layers, hidden, heads, vocab, max_positions)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -288,8 +285,8 @@ def megatron_gpt(
         params_dtype=torch.float32,
     )
     torch.manual_seed(seed)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab,
-                     max_sequence_length=max_positions).train()
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=max_positions,
+                     share_embeddings_and_output_weights=tied_embeddings).train()
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
     inputs = {
         "input_ids": ids,
@@ -298,6 +295,26 @@ def megatron_gpt(
         "labels": ids.clone(),
     }
     return model, inputs, mean_loss
+
+
+def _checked_sizes(batch: int, seq: int, layers: int, hidden: int, heads: int, vocab: int,
+                   max_positions: int | None) -> int:
+    """``max_positions`` (default ``seq``) after checking ``megatron_gpt``'s sizes.
+
+    Raises:
+        ValueError: a size is not positive, ``hidden`` is not a multiple of ``heads``, or
+            ``max_positions`` is below ``seq``.
+    """
+    for name, v in (("batch", batch), ("seq", seq), ("layers", layers), ("hidden", hidden),
+                    ("heads", heads), ("vocab", vocab)):
+        if v < 1:
+            raise ValueError(f"megatron_gpt: {name} must be >= 1, got {v}")
+    if hidden % heads:
+        raise ValueError(f"megatron_gpt: hidden ({hidden}) must be a multiple of heads ({heads})")
+    max_positions = seq if max_positions is None else max_positions
+    if max_positions < seq:
+        raise ValueError(f"megatron_gpt: max_positions ({max_positions}) must be at least seq ({seq})")
+    return max_positions
 
 
 def is_megatron_core(model: torch.nn.Module | None) -> bool:

@@ -8,10 +8,12 @@ Megatron's own parser cannot run here: it needs ``torch.distributed`` initialise
 tokenizer and its training package. So this parser declares the same option names and
 defaults, in three sets:
 
-- ``SUPPORTED``: read and applied (model shape, batch, dropouts, seed, recompute);
+- ``SUPPORTED`` and ``SUPPORTED_FLAGS``: read and applied (model shape, batch, dropouts,
+  seed, recompute; the word embedding tied to the output layer, as ``pretrain_gpt.py``
+  builds it, unless ``--untie-embeddings-and-output-weights``);
 - ``NOT_YET``: memory-relevant options this version does not model yet (tensor,
   pipeline, context and sequence parallelism above 1, grouped-query attention, SwiGLU,
-  RMSNorm, rotary positions, untied embeddings, bf16 / fp16): an error naming the
+  RMSNorm, rotary positions, bf16 / fp16): an error naming the
   option, never a silently different model;
 - ``NO_MEMORY_EFFECT``: training options that change nothing in one step's memory
   (learning rate, iterations, data paths, logging, checkpoints): accepted, listed as
@@ -38,8 +40,9 @@ SUPPORTED: dict[str, tuple[Any, Any]] = {
     "--pipeline-model-parallel-size": (int, 1), "--context-parallel-size": (int, 1),
     "--normalization": (str, "LayerNorm"), "--position-embedding-type": (str, "learned_absolute"),
 }
+SUPPORTED_FLAGS = ("--untie-embeddings-and-output-weights",)
 NOT_YET = ("--sequence-parallel", "--num-layers-per-virtual-pipeline-stage", "--group-query-attention",
-           "--num-query-groups", "--kv-channels", "--swiglu", "--untie-embeddings-and-output-weights", "--bf16",
+           "--num-query-groups", "--kv-channels", "--swiglu", "--bf16",
            "--fp16", "--recompute-modules", "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32")
 NO_MEMORY_EFFECT = ("--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-fraction", "--lr-warmup-iters",
                     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--train-iters",
@@ -61,7 +64,8 @@ class MegatronCommand:
 
     Attributes:
         factory_kwargs: ``megatron_gpt``'s keyword arguments (layers, hidden, heads,
-            ffn_hidden, vocab: the padded vocabulary, max_positions, dropout, seed).
+            ffn_hidden, vocab: the padded vocabulary, max_positions, dropout, seed,
+            tied_embeddings: ``pretrain_gpt.py``'s ``share_embeddings_and_output_weights``).
         batch, seq: ``--micro-batch-size``, ``--seq-length``.
         microbatches: ``--global-batch-size / --micro-batch-size`` (data-parallel size 1):
             run one after another, each microbatch's step peaks alike.
@@ -109,13 +113,15 @@ def read_megatron_command(argv: Sequence[str]) -> MegatronCommand:
             raise ValueError(f"Megatron-LM option {name} is not modelled by remat-pass megatron yet (supported: "
                              "the model shape, batch, dropouts, seed and full recompute at tensor, pipeline and "
                              "context parallel size 1, fp32); leave it out or use `remat-pass sweep --tp/--pp`")
-        if name not in SUPPORTED and name not in NO_MEMORY_EFFECT:
+        if name not in SUPPORTED and name not in SUPPORTED_FLAGS and name not in NO_MEMORY_EFFECT:
             raise ValueError(f"unknown Megatron-LM option {name}: remat-pass megatron reads "
                              f"{', '.join(sorted(SUPPORTED))} (and ignores training options such as --lr)")
     p = argparse.ArgumentParser(prog="Megatron-LM arguments", add_help=False, allow_abbrev=False,
                                 exit_on_error=False)
     for name, (typ, default) in SUPPORTED.items():
         p.add_argument(name, type=typ, default=default)
+    for name in SUPPORTED_FLAGS:
+        p.add_argument(name, action="store_true")
     for name in NO_MEMORY_EFFECT:
         p.add_argument(name, action="store_true" if name in FLAGS_WITHOUT_VALUE else "store")
     try:
@@ -156,7 +162,8 @@ def _command(ns: argparse.Namespace, ignored: list[str]) -> MegatronCommand:
                          f"{ns.micro_batch_size} (data-parallel size 1)")
     kwargs = dict(layers=ns.num_layers, hidden=ns.hidden_size, heads=ns.num_attention_heads,
                   ffn_hidden=ns.ffn_hidden_size, vocab=padded_vocab_size(ns.vocab_size, ns.make_vocab_size_divisible_by),
-                  max_positions=ns.max_position_embeddings or ns.seq_length, seed=ns.seed)
+                  max_positions=ns.max_position_embeddings or ns.seq_length, seed=ns.seed,
+                  tied_embeddings=not ns.untie_embeddings_and_output_weights)
     if ns.attention_dropout != ns.hidden_dropout:
         raise ValueError(f"--attention-dropout {ns.attention_dropout} and --hidden-dropout {ns.hidden_dropout}: "
                          "different dropouts are not modelled yet (give them equal)")

@@ -15,7 +15,9 @@ def test_shape_defaults_and_recompute_as_megatron_reads_them():
     c = read_megatron_command([*BASE, "--global-batch-size", "32", "--recompute-granularity", "full",
                                "--recompute-method", "uniform", "--recompute-num-layers", "2", "--lr", "1e-4"])
     assert c.factory_kwargs == dict(layers=8, hidden=256, heads=4, ffn_hidden=None, vocab=50304, max_positions=128,
-                                    seed=1234, dropout=0.1)
+                                    seed=1234, dropout=0.1, tied_embeddings=True)
+    untied = read_megatron_command([*BASE, "--untie-embeddings-and-output-weights"])
+    assert untied.factory_kwargs["tied_embeddings"] is False
     assert (c.batch, c.seq, c.microbatches, c.recompute, c.ignored) == (8, 128, 4, ("uniform", 2), ("--lr",))
     assert read_megatron_command(BASE).recompute == ("none", None)
     assert padded_vocab_size(32000, 128, 8) == 32768
