@@ -9,7 +9,8 @@ CPU over a gloo world of one), which is then swept as ``remat-pass sweep`` sweep
 factory: every setting Megatron-LM can name (none, ``--recompute-method uniform`` with
 every K, ``block`` with every N), predicted and, unless ``--meta``, measured, with
 gradients checked; the rows of a K that Megatron-Core 0.16.1 itself crashes on are
-named. The options before ``--`` are ``sweep``'s (``--json``, ``--meta``, ``--target``,
+named; under the table, Megatron-LM's own estimate of the command
+(``models.megatron_formula``) and what it leaves out. The options before ``--`` are ``sweep``'s (``--json``, ``--meta``, ``--target``,
 ``--device-memory``, ``--optimizer``, ...). One GPU so far: tensor, pipeline and context
 parallel sizes of 1.
 """
@@ -21,6 +22,7 @@ import sys
 from typing import Any
 
 from ..models.megatron_args import read_megatron_command
+from ..models.megatron_formula import MegatronEstimate, megatron_estimate
 
 FACTORY = "remat_pass.models.megatron:megatron_gpt"
 
@@ -84,4 +86,20 @@ def cmd_megatron(args: argparse.Namespace) -> int:
           "run one after another (each peaks alike: one microbatch's figures below)", file=sys.stderr)
     if command.ignored:
         print(f"ignored (no effect on one step's memory): {', '.join(command.ignored)}", file=sys.stderr)
-    return cmd_sweep(args)
+    args.megatron_formula = megatron_estimate(command)
+    rc = cmd_sweep(args)
+    print(formula_lines(args.megatron_formula))
+    return rc
+
+
+def formula_lines(e: MegatronEstimate) -> str:
+    """Megatron-LM's own estimate of the command, as printed under the sweep's table,
+    with one line per difference from the table's figures."""
+    from ..formatting import fmt_bytes
+
+    lines = [f"Megatron-LM's own estimate for this command (report_theoretical_memory, Korthikanti et al. 2022), "
+             f"the same for every row: weight and optimizer {fmt_bytes(e.weight_and_optimizer_bytes)} "
+             f"({e.parameters:,} parameters x 18 B), activations {fmt_bytes(e.activation_bytes)}, total "
+             f"{fmt_bytes(e.total_bytes)}. Against the rows above:"]
+    lines += [f"  - {d}" for d in e.leaves_out]
+    return "\n".join(lines)

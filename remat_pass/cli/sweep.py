@@ -175,6 +175,9 @@ def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[Sched
     ``partial``: the sweep was interrupted and ``rows`` holds the schedules finished;
     ``eager_rows``: the eager program's rows (``--program eager``)."""
     rows = [dict(r.to_dict(), fits_device=fits(r, w.static, w.device_memory_bytes)) for r in results]
+    formula = getattr(args, "megatron_formula", None)  # remat-pass megatron: Megatron-LM's own estimate
+    if formula is not None:
+        rows = [dict(r, megatron_formula_bytes=formula.total_bytes) for r in rows]
     write_document(args.json, "remat-pass-sweep", {
         "model": model_name(args),
         "description": w.description,
@@ -191,4 +194,5 @@ def _write_sweep_json(args: argparse.Namespace, w: Workload, results: list[Sched
         **({"partial": True} if partial else {}),
         "rows": rows,
         **({"eager_program": eager_rows} if eager_rows else {}),
+        **({"megatron_formula": formula.to_dict()} if formula is not None else {}),
     })

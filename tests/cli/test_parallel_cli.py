@@ -105,7 +105,14 @@ def test_a_megatron_command_sweeps_as_the_factory_does(tmp_path):
                 "--hidden-dropout", "0.0", "--seed", "0", "--recompute-granularity", "full",
                 "--recompute-method", "uniform", "--recompute-num-layers", "1", "--lr", "1e-4"]
     assert cli_main(["megatron", "--json", str(tmp_path / "m.json"), "--", *megatron]) == 0
-    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    doc = json.loads((tmp_path / "m.json").read_text())
+    rows = doc["rows"]
+    from remat_pass.models.megatron_args import read_megatron_command
+    from remat_pass.models.megatron_formula import megatron_estimate
+
+    # Megatron-LM's own estimate beside every row, the same at every setting
+    assert doc["megatron_formula"] == megatron_estimate(read_megatron_command(megatron)).to_dict()
+    assert {r["megatron_formula_bytes"] for r in rows} == {doc["megatron_formula"]["total_bytes"]}
     differ = [(r["provenance"], r["predicted_peak_bytes"], r["measured_peak_bytes"], r["grads_equal"]) for r in rows
               if r["predicted_peak_bytes"] != r["measured_peak_bytes"] or not r["grads_equal"]]
     assert not differ, differ  # (setting, predicted, measured, gradients equal) of each row that differs
@@ -113,8 +120,9 @@ def test_a_megatron_command_sweeps_as_the_factory_does(tmp_path):
     from remat_pass.models.megatron import megatron_gpt
     from remat_pass.recompute.schedule import megatron_schedules
 
-    # the factory path: the padded vocabulary (100 -> 128), dropout 0, seed 0
+    # the factory path: the padded vocabulary (100 -> 128), dropout 0, seed 0, the output layer tied to the
+    # word embedding (pretrain_gpt.py's default)
     session = Session.create(*megatron_gpt(batch=2, seq=16, layers=2, hidden=32, heads=4, vocab=128, dropout=0.0,
-                                           seed=0))
+                                           seed=0, tied_embeddings=True))
     assert [(r["provenance"], r["predicted_peak_bytes"]) for r in rows] == [
         (s.provenance, session.report(s).peak_bytes) for s in megatron_schedules(session.stack.layers_per_stack)]
