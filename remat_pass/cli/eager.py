@@ -12,10 +12,10 @@ import sys
 from typing import Sequence
 
 from ..errors import RematError
-from ..evaluate.eager_program import eager_program
+from ..evaluate.eager_program import eager_program, peak_difference_by_op, rewrite_live_by_op
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.workload import Workload
-from ..formatting import mib, text_table
+from ..formatting import fmt_bytes, mib, text_table
 from ..models.megatron import is_megatron_core
 from ..recompute import schedule as schedules
 
@@ -73,6 +73,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     rows, exact, doc = [], True, []
     own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
     refused: list[str] = []
+    causes: list[tuple[str, list[tuple[str, int]]]] = []  # per setting: (op, rewrite - eager bytes at the peaks)
     notes: dict[str, list[str]] = {}  # each eager row's note -> its count per setting said of ("": none)
     for sched, r in zip(todo, results):
         try:
@@ -89,10 +90,13 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
             count, _, rest = n.partition(" ")
             notes.setdefault(rest if count.isdigit() else n, []).append(count if count.isdigit() else "")
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
+        by_op = peak_difference_by_op(e.predicted, rewrite_live_by_op(*w.session.prepare(sched, w.allocator)[:2]))
+        causes.append((sched.provenance, by_op))
         measured = "not run" if e.measured_peak_bytes is None else mib(e.measured_peak_bytes)
         doc.append({"schedule": sched.provenance, "predicted_peak_bytes": e.predicted.peak_bytes,
                     "measured_peak_bytes": e.measured_peak_bytes, "rewrite_predicted_peak_bytes": r.predicted_peak_bytes,
-                    "peak_op": e.predicted.peak_op, "notes": list(e.predicted.notes)})
+                    "peak_op": e.predicted.peak_op, "notes": list(e.predicted.notes),
+                    "difference_by_op": dict(by_op)})
         rows.append([sched.provenance, mib(e.predicted.peak_bytes), measured,
                      mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
     how = ("Megatron-Core's own recompute (TransformerConfig recompute_method)" if own_loop else
@@ -101,6 +105,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB"], rows))
+    print_difference_by_op(causes)
     for note, counts in notes.items():
         which = "every setting" if len(counts) == len(rows) else f"{len(counts)} of {len(rows)} settings"
         numbers = sorted({int(c) for c in counts if c})
@@ -110,3 +115,20 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         print(f"not run eagerly ({len(refused)} settings): {refused[0]}" + (" (and the same for "
               + ", ".join(x.partition(':')[0] for x in refused[1:]) + ")" if refused[1:] else ""))
     return exact, doc
+
+
+def print_difference_by_op(causes: Sequence[tuple[str, list[tuple[str, int]]]], top: int = 4) -> None:
+    """Per setting, the largest terms of ``eager_program.peak_difference_by_op``: where
+    the rewrite's peak and the eager program's differ, by the op that allocated the
+    bytes live at each."""
+    if not causes:
+        return
+    print("rewrite - eager at each program's peak, by the op that allocated the bytes live there "
+          f"(largest {top}; the terms sum to the column above):")
+    def signed(d: int) -> str:
+        return ("+" if d > 0 else "-") + fmt_bytes(abs(d))
+
+    for setting, by_op in causes:
+        shown = ", ".join(f"{op} {signed(d)}" for op, d in by_op[:top]) or "the same bytes"
+        rest = sum(d for _, d in by_op[top:])
+        print(f"  {setting}: {shown}" + (f", {len(by_op) - top} more {signed(rest)}" if by_op[top:] else ""))

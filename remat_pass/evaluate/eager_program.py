@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import operator
 from typing import Any, Iterator
 
 import torch
@@ -31,11 +32,13 @@ from ..errors import RematError
 from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
-from ..liveness.eager_program import EagerPeak, eager_peak
+from ..liveness.eager_program import EagerPeak, eager_peak, op_name
+from ..liveness.timeline import MemoryReport
 from ..measure.allocator_events import profiled_peak_cpu
 from ..models.megatron import is_megatron_core
 from ..memory.calibration import Calibrator
 from ..memory.memory_model import MemoryModel
+from ..recompute.rewrite import RewrittenStep
 from ..recompute.schedule import Schedule
 
 
@@ -286,3 +289,41 @@ def _run(m: nn.Module, inputs: Any, loss_fn: LossFn | None, schedule: Schedule, 
         for p in params:
             p.grad = None
     return EagerResult(schedule.provenance, predicted, measured)
+
+
+def rewrite_live_by_op(step: RewrittenStep, report: MemoryReport) -> dict[str, int]:
+    """The bytes live at the rewritten step's peak (``report.live_at_peak``) by the op
+    that allocated them, named as ``EagerPeak.live_at_peak_ops`` names the eager
+    program's (``op_name``; an output of a multi-output op by that op, a recomputed
+    value by its op); what no op made by its kind (``"(gradient)"``), the peak op's
+    scratch as ``"(scratch)"``. Sums to ``report.peak_bytes`` (bytes)."""
+    nodes: dict[str, Any] = {}
+    for gm in (step.backward, step.forward):  # a saved value is a forward op and a backward input of one name
+        nodes.update({n.name: n for n in gm.graph.nodes if n.op == "call_function"})
+    out: dict[str, int] = {}
+    for t in report.live_at_peak:
+        node = nodes.get(t.name)
+        while node is not None and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+        if node is not None and node.target is torch.ops.higher_order.run_with_rng_state:
+            target = node.args[1]  # a random op replayed on a recompute: the op itself
+        else:
+            target = None if node is None else node.target
+        name = op_name(target) if target is not None else f"({t.kind})"
+        out[name] = out.get(name, 0) + t.nbytes
+    rest = report.peak_bytes - sum(t.nbytes for t in report.live_at_peak)
+    if rest:
+        out["(scratch)"] = out.get("(scratch)", 0) + rest
+    return out
+
+
+def peak_difference_by_op(eager: EagerPeak, rewrite_by_op: dict[str, int]) -> list[tuple[str, int]]:
+    """``rewrite - eager`` bytes at each program's own peak, by the op that allocated
+    them (``rewrite_live_by_op`` against ``EagerPeak.live_at_peak_ops``), the largest
+    differences first, zeros left out: the terms sum to the rewrite's peak minus the
+    eager program's (bytes). It names where the two programs' peaks differ (an op the
+    rewrite functionalized, a copy, a mask's dtype, what the eager program still holds);
+    it is a comparison of the two peaks, not of two timelines."""
+    eager_by_op = dict(eager.live_at_peak_ops)
+    diff = {op: rewrite_by_op.get(op, 0) - eager_by_op.get(op, 0) for op in {*eager_by_op, *rewrite_by_op}}
+    return sorted(((op, d) for op, d in diff.items() if d), key=lambda x: (-abs(x[1]), x[0]))

@@ -32,6 +32,9 @@ class EagerPeak:
             parameter; activations the step keeps).
         ops: how many ops ran.
         notes: what the figure leaves out (empty: nothing).
+        live_at_peak_ops: the bytes live at the peak by the op that allocated them
+            (``op_name``: ``"mm"``, ``"native_dropout"``), the peak op's scratch as
+            ``"(scratch)"``; they sum to ``peak_bytes``.
     """
 
     peak_bytes: int
@@ -42,6 +45,15 @@ class EagerPeak:
     held_after_bytes: int
     ops: int
     notes: tuple[str, ...]
+    live_at_peak_ops: tuple[tuple[str, int], ...] = ()
+
+
+def op_name(target: object) -> str:
+    """An op's name without its overload, as fx names the nodes of a traced graph:
+    ``aten.mm.default`` -> ``"mm"``; a Python function by its ``__name__``."""
+    if isinstance(target, OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
 
 
 def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
@@ -88,4 +100,11 @@ def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
     notes = ()
     if uncounted:
         notes = (f"{uncounted} ops have no scratch figure (not calibrated, not in the table): 0 bytes assumed",)
-    return EagerPeak(best, f"{node.target} ({node.name})", at, scratch_at, tuple(top), held, n, notes)
+    by_op: dict[str, int] = {}
+    for sid in at_peak:
+        name = op_name(trace.op_nodes[trace.storages[sid].allocated_at].target)
+        by_op[name] = by_op.get(name, 0) + sizes[sid]
+    if scratch_at:
+        by_op["(scratch)"] = scratch_at
+    return EagerPeak(best, f"{node.target} ({node.name})", at, scratch_at, tuple(top), held, n, notes,
+                     tuple(sorted(by_op.items(), key=lambda x: -x[1])))

@@ -83,7 +83,7 @@ def test_program_eager_on_the_meta_device_is_predicted_only(tmp_path, capsys):
             "--meta", "--program", "eager", "--json", str(tmp_path / "s.json")]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    table = out[out.index("the eager program"):].splitlines()
+    table = out[out.index("the eager program"):out.index("rewrite - eager at each")].splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip() and not line.startswith("note")}
     assert {"none", "uniform(K=1)", "uniform(K=2)", "block(N=1)"} <= set(rows)
     assert all(r[1:3] == ["not", "run"] and float(r[0]) > 0 for r in rows.values())
@@ -94,6 +94,10 @@ def test_program_eager_on_the_meta_device_is_predicted_only(tmp_path, capsys):
     assert set(eager) == set(rows)
     assert all(r["measured_peak_bytes"] is None and f"{r['predicted_peak_bytes'] / 2**20:.2f}" == rows[s][0]
                for s, r in eager.items())
+    # the difference of the two peaks, by the op that allocated the bytes live at each, sums to it
+    assert all(sum(r["difference_by_op"].values()) == r["rewrite_predicted_peak_bytes"] - r["predicted_peak_bytes"]
+               for r in eager.values())
+    assert all(f"  {s}: " in out[out.index("rewrite - eager at each"):] for s in eager)
 
 
 @pytest.mark.slow
@@ -105,7 +109,7 @@ def test_program_eager_prints_the_eager_program_beside_the_rewrite(capsys):
             "--program", "eager", "--reentrant"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    table = out[out.index("the eager program"):].splitlines()
+    table = out[out.index("the eager program"):out.index("rewrite - eager at each")].splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip()}
     assert set(rows) == {"none", "uniform(K=1)", "uniform(K=2)", "block(N=0)", "block(N=1)", "block(N=2)"}
     assert all(r[0] == r[1] for r in rows.values())  # eager predicted == measured (MiB)
