@@ -161,12 +161,15 @@ def _real_layout(node: fx.Node, value: Any) -> RealLayout | None:
 
 def _stride_mismatch(node: fx.Node, value: Any) -> str | None:
     """``"name: traced strides (..), real (..)"`` when a tensor's real strides differ
-    from its traced (FakeTensor) ones, else None."""
+    from its traced (FakeTensor) ones in a dimension of size above 1, else None (the
+    stride of a size-1 dimension never moves an element: a scalar's expand to
+    ``[2, 1, 2]`` is ``(0, 1, 0)`` traced and ``(0, 0, 0)`` real, the same layout)."""
     val = node.meta.get("val")
     if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)) or value.dim() < 2:
         return None
     traced, real = tuple(val.stride()), tuple(value.stride())
-    if traced == real or tuple(val.shape) != tuple(value.shape):
+    if tuple(val.shape) != tuple(value.shape) or all(
+            t == r for t, r, n in zip(traced, real, value.shape) if n > 1):
         return None
     op = node.args[0].target if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node.target
     return f"{node.name} (output of {op}): traced strides {traced}, real {real}"

@@ -91,3 +91,27 @@ def test_gradient_comparisons_are_of_bit_patterns():
     for t in (g.to(torch.bfloat16), g.to(torch.float16), torch.complex(g, g), torch.arange(4)):
         assert grads_bitwise_equal([t], [t.clone()])
     assert grads_bitwise_equal([g[::2]], [g[::2].clone()])
+
+
+def test_a_refusal_names_the_op_whose_strides_differ_where_they_matter():
+    """A size-1 dimension's stride never moves an element (a scalar tangent's expand is
+    ``(0, 1, 0)`` traced and ``(0, 0, 0)`` on the CPU: the same layout), so the refusal
+    of a step whose meta and kernel strides disagree names the op where they disagree in
+    a dimension of size above 1: here ``softplus_backward`` under a transposed group norm's
+    gradient (the long profile's refusals), not the expand."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from stacks import StackSpec, build
+
+    from remat_pass.errors import UnsupportedGraph
+    from remat_pass.evaluate.session import Session
+
+    spec = StackSpec(batch=2, seq=7, hidden=2, heads=1, num_layers=2, input="dense", loss="sum", tuple_layers=True,
+                     blocks=(("norm", "groupnorm", 2), ("linear", True), ("act", "softplus")))
+    session = Session.create(*build(spec))
+    with pytest.raises(UnsupportedGraph, match=r"differs from the traced one is softplus_backward\S* \(output of "
+                                               r"aten.softplus_backward.default\): traced strides \(14, 2, 1\), "
+                                               r"real \(14, 1, 7\)"):
+        session.evaluate(schedule.none(2))
