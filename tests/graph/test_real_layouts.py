@@ -225,3 +225,29 @@ def test_batch_norm_of_a_transposed_view_is_traced_in_the_cpu_kernels_layout():
         r = session.evaluate(s)
         assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, s.provenance
         assert r.max_grad_diff_vs_eager < 1e-5, (s.provenance, r.max_grad_diff_vs_eager)
+
+
+def test_softplus_backward_of_two_layouts_is_traced_in_the_gradients_layout():
+    """Before: under a transposed group norm's gradient, softplus_backward's meta
+    function gave a contiguous output and the CPU kernel the gradient's layout, so the
+    traced ``view`` of the Linear backward below failed on the real tensors and the step
+    was refused (the long property profile's group-norm class, 3 stacks). With its input
+    copied into the gradient's layout first (``trace_context.cpu_decompositions``) every
+    schedule runs, predicted to the byte, gradients bitwise equal to the traced step's
+    and within rounding of eager PyTorch's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from stacks import StackSpec, build
+
+    spec = StackSpec(batch=2, seq=7, hidden=2, heads=1, num_layers=4, input="dense", loss="sum", tuple_layers=True,
+                     container="dict", blocks=(("norm", "groupnorm", 2), ("linear", True), ("act", "gelu"),
+                                               ("act", "softplus")))
+    session = Session.create(*build(spec))
+    copies = [n for n in session.joint.gm.graph.nodes if n.target is torch.ops.aten.copy.default]
+    assert copies and all(any(u.target is torch.ops.aten.softplus_backward.default for u in c.users) for c in copies)
+    for s in schedules.distinct_megatron_schedules(session.stack.layers_per_stack):
+        r = session.evaluate(s)
+        assert r.grads_equal and r.predicted_peak_bytes == r.measured_peak_bytes, s.provenance
+        assert r.max_grad_diff_vs_eager < 1e-6, (s.provenance, r.max_grad_diff_vs_eager)
