@@ -68,8 +68,21 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig | None:
 
 
 def load_parallel(args: argparse.Namespace, config: ParallelConfig) -> tuple[Any, Any]:
-    """Build the model for a per-rank command and validate ``config`` against it."""
-    model, inputs, _ = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
+    """Build the model for a per-rank command and validate ``config`` against it.
+
+    Raises:
+        ValueError: the factory returns a ``loss_fn`` (each rank's step splits the batch
+            into microbatches and its last stage computes the loss: the model must take
+            the targets and return the loss, ``forward(ids, targets)``, as
+            ``torch.distributed.pipelining``'s last stage does).
+        InvalidOption: ``config`` against the model (``parallel.ranks.validate``).
+    """
+    model, inputs, loss_fn = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
+    if loss_fn is not None:
+        raise ValueError(f"the per-rank commands (--tp, --pp, --fsdp) split the batch into microbatches and compute "
+                         f"the loss on the last stage, so the model must take the targets and return the loss "
+                         f"(forward(ids, targets) -> loss, e.g. remat_pass.models:tiny_llama); {model_spec(args)} "
+                         f"returns a loss_fn, which closes over the whole batch's targets")
     batch = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     validate(config, model, batch.shape[0], batch.shape[1] if batch.dim() > 1 else None)
     return model, inputs

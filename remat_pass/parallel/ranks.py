@@ -4,7 +4,7 @@ A ``ParallelConfig`` (Megatron-LM's sizes: ``--tensor-model-parallel-size``,
 ``--sequence-parallel``, ``--pipeline-model-parallel-size``,
 ``--virtual-pipeline-model-parallel-size``, microbatches, plus FSDP2's data-parallel
 size) is validated against the model; ``trace_rank`` builds rank r's pipeline stages
-(``split_stage``: Megatron's even split, the embedding on the first stage, the head and
+(``stages.split_stages``: Megatron's even split, the embedding on the first stage, the head and
 loss on the last), applies the model's tensor-parallel plan
 (``torch.distributed.tensor.parallel.parallelize_module``, torchtitan's recipe) over
 the rank's tensor-parallel group and traces each stage with its real boundary
@@ -35,6 +35,7 @@ from ..recompute import schedule as schedules
 from ..graph.costs import node_flops
 from ..errors import InvalidOption, LayerStackNotFound
 from .pipeline import RankPeak, StageProfile, compose, stage_profile
+from .stages import StageModule, split_stages, stack_of
 from .pipeline_schedule import (
     PIPELINE_SCHEDULES,
     Action,
@@ -134,8 +135,8 @@ def validate(config: ParallelConfig, model: nn.Module, batch: int, seq: int | No
     Raises:
         InvalidOption: a size below 1; TP not dividing the heads, key/value heads,
             hidden, FFN or vocabulary size, or the sequence under SP; SP without TP;
-            a model without ``tensor_parallel_plan`` under TP or without
-            ``pipeline_layout`` under PP; PP x VPP not dividing the layers (or larger);
+            a model without ``tensor_parallel_plan`` under TP, or with neither ``pipeline_layout`` nor a layer stack under PP
+            (``stages.stack_of``); PP x VPP not dividing the layers (or larger);
             microbatches not dividing the batch, or fewer than the stages under 1F1B;
             FSDP on a model without a layer stack (nothing to wrap per layer), or FSDP
             combined with TP / PP. Each message names the setting and its legal values.
@@ -150,11 +151,7 @@ def validate(config: ParallelConfig, model: nn.Module, batch: int, seq: int | No
     if config.tp > 1:
         _validate_tp(config, model, seq)
     if config.pp > 1 or config.vpp > 1:
-        layout = getattr(model, "pipeline_layout", None)
-        if layout is None:
-            raise InvalidOption(f"--pp needs a model that can be split into stages: {type(model).__name__} has no "
-                                "pipeline_layout (see remat_pass.models.PipelineLayout, e.g. models:tiny_llama)")
-        num_layers = len(model.get_submodule(layout.stack))
+        _, num_layers = stack_of(model)
         stage_layers(num_layers, config.num_stages)
         validate_schedule(config.pipeline_schedule, config.pp, config.microbatches, config.vpp)
     if batch % config.microbatches:
@@ -238,40 +235,6 @@ def tp_mesh(config: ParallelConfig, device: str = "cpu") -> Any:
     return init_device_mesh(device, (config.pp, config.tp), mesh_dim_names=("pp", "tp"))["tp"]
 
 
-def split_stage(model: nn.Module, stage: int, num_stages: int) -> tuple[nn.Module, dict[str, str]]:
-    """A copy of ``model`` that keeps only stage ``stage``'s layers (and the first /
-    last stage's outer modules), and its parameter names -> the full model's.
-
-    Raises:
-        InvalidOption: the model has no ``pipeline_layout``, or its layers do not
-            split evenly (``pipeline_schedule.stage_layers``).
-    """
-    layout = getattr(model, "pipeline_layout", None)
-    if layout is None:
-        raise InvalidOption(f"{type(model).__name__} has no pipeline_layout: it cannot be split into stages")
-    layers = stage_layers(len(model.get_submodule(layout.stack)), num_stages)[stage]
-    piece = copy.deepcopy(model)
-    parent_path, _, attr = layout.stack.rpartition(".")
-    parent = piece.get_submodule(parent_path) if parent_path else piece
-    full_stack = getattr(parent, attr)
-    setattr(parent, attr, nn.ModuleList(full_stack[i] for i in layers))
-    if stage > 0:
-        for name in layout.first:
-            setattr(piece, name, None)
-    if stage < num_stages - 1:
-        for name in layout.last:
-            setattr(piece, name, None)
-    prefix = layout.stack + "."
-    names = {}
-    for name, _ in piece.named_parameters():
-        if name.startswith(prefix):
-            index, rest = name[len(prefix):].split(".", 1)
-            names[name] = f"{prefix}{int(index) + layers.start}.{rest}"
-        else:
-            names[name] = name
-    return piece, names
-
-
 def apply_tensor_parallel(module: nn.Module, mesh: Any, sequence_parallel: bool) -> nn.Module:
     """Parallelise ``module`` in place with its ``tensor_parallel_plan`` over ``mesh``."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -342,23 +305,28 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
     mesh = tp_mesh(config, device.type)
     mb = microbatches(inputs, config.microbatches)[0]
     out = []
-    for s in config.stages_of(rank):
+    stages = config.stages_of(rank)
+    if config.num_stages == 1:
+        path, _ = stack_of(model) if hasattr(model, "pipeline_layout") else (None, 0)
+        pieces = [StageModule(0, copy.deepcopy(model), {n: n for n, _ in model.named_parameters()}, path, (), None)]
+    else:
+        pieces = split_stages(model, mb, stages, config.num_stages)
+    for piece in pieces:
+        s, module = piece.stage, piece.module
         first, last = s == 0, s == config.num_stages - 1
-        module, names = (copy.deepcopy(model), {n: n for n, _ in model.named_parameters()}) \
-            if config.num_stages == 1 else split_stage(model, s, config.num_stages)
         if mesh is not None:
             apply_tensor_parallel(module, mesh, config.sp)
         shape: tuple[int, ...] = ()
         x = None
         if not first:
-            seq = mb[0].shape[1] // config.tp if config.sp else mb[0].shape[1]
-            shape = (mb[0].shape[0], seq, model.pipeline_layout.hidden)
-            dtype = next(model.parameters()).dtype
-            x = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(s)).to(device).requires_grad_()
+            b, seq, *rest = piece.boundary_shape
+            shape = (b, seq // config.tp if config.sp else seq, *rest)
+            x = torch.randn(shape, dtype=piece.boundary_dtype, generator=torch.Generator().manual_seed(s))
+            x = x.to(device).requires_grad_()
         traced = trace_step(StepOptions(
             model=module, example_inputs=stage_inputs(first, last, mb, x), output="loss" if last else "activation",
-            stack=model.pipeline_layout.stack if hasattr(model, "pipeline_layout") else None))
-        out.append(StageGraph(s, first, last, module, traced.joint, traced.stack, names, shape))
+            stack=piece.stack))
+        out.append(StageGraph(s, first, last, module, traced.joint, traced.stack, piece.param_names, shape))
     return out
 
 

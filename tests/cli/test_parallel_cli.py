@@ -57,6 +57,14 @@ def test_fsdp_on_a_model_without_per_layer_wrapping_exits_2(capsys):
     assert "--fsdp wraps each layer with fully_shard" in err and "no layer stack" in err
 
 
+def test_a_factory_with_a_loss_fn_is_refused_by_the_per_rank_commands(capsys):
+    """The loss_fn closes over the whole batch's targets; the ranks split the batch."""
+    assert main(["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--pp", "2",
+                 "--microbatches", "2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "must take the targets and return the loss" in err and "returns a loss_fn" in err
+
+
 def test_plan_needs_a_device_memory_per_rank(capsys):
     assert main(["plan", *TINY, "--pp", "2", "--microbatches", "2"]) == EXIT_USAGE
     assert "--device-memory" in capsys.readouterr().err

@@ -49,6 +49,25 @@ def test_pipeline_1f1b_predicted_equals_measured_on_every_rank():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~15 s on 2 shared cores (2 ranks export, trace, run and measure)
+def test_a_model_without_a_pipeline_layout_is_split_and_predicted_exactly_on_every_rank():
+    """A plain GPT (tests/helpers/user_models.py: an nn.ModuleList of blocks, no
+    attribute of this project) under p = 2, m = 2 (1F1B): split by
+    torch.distributed.pipelining at Megatron's even split, every rank's prediction
+    equals its measured peak to the byte, gradients bitwise equal to the
+    single-process model."""
+    config = ParallelConfig(pp=2, microbatches=2, pipeline_schedule="1f1b")
+    kwargs = (("batch", 4), ("layers", 4), ("seq", 16), ("hidden", 32))
+    rows = measure_config(config, RunOptions("user_models:plain_gpt", kwargs, (("none", None), ("uniform", 1))),
+                          deadline_s=300, start_method="forkserver")
+    assert [(r.schedule, r.rank) for r in rows] == [("none", 0), ("none", 1), ("uniform(K=1)", 0), ("uniform(K=1)", 1)]
+    for r in rows:
+        assert r.predicted_peak_bytes == r.measured_peak_bytes, r
+        assert r.grads_equal and r.grads_bitwise_vs_single_process, r
+    assert [r.stages for r in rows[:2]] == [(0,), (1,)]
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.slow  # ~14 s on 2 shared cores (5 measured repeats per rank)
 def test_tensor_parallel_predicted_equals_measured_on_every_rank():
     """t = 2 with sequence parallelism: each rank's graph holds its local shards and
