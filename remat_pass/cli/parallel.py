@@ -24,6 +24,7 @@ from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, parse_bytes, text_table
 from ..parallel.fsdp_measure import measure_fsdp
 from ..models.shipped import build
+from ..parallel.hf_plans import rank_step_model
 from ..parallel.ranks import ParallelConfig, validate
 from ..parallel.plan import FSDP_COLUMNS, PREDICTION_COLUMNS, fsdp_rows, megatron_flags, plan_stages, predict_config
 from ..parallel.plan import predict_fsdp_config, prediction_json, prediction_rows, stage_plan_text
@@ -83,6 +84,7 @@ def load_parallel(args: argparse.Namespace, config: ParallelConfig) -> tuple[Any
                          f"the loss on the last stage, so the model must take the targets and return the loss "
                          f"(forward(ids, targets) -> loss, e.g. remat_pass.models:tiny_llama); {model_spec(args)} "
                          f"returns a loss_fn, which closes over the whole batch's targets")
+    model, inputs = rank_step_model(model, inputs)
     batch = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     validate(config, model, batch.shape[0], batch.shape[1] if batch.dim() > 1 else None)
     return model, inputs

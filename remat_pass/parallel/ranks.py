@@ -173,7 +173,8 @@ def validate(config: ParallelConfig, model: nn.Module, batch: int, seq: int | No
 def _validate_tp(config: ParallelConfig, model: nn.Module, seq: int | None) -> None:
     if not hasattr(model, "tensor_parallel_plan"):
         raise InvalidOption(f"--tp needs a model with a tensor-parallel plan: {type(model).__name__} has no "
-                            "tensor_parallel_plan (e.g. remat_pass.models:tiny_llama)")
+                            "tensor_parallel_plan (e.g. remat_pass.models:tiny_llama) nor transformers' _tp_plan")
+    model.tensor_parallel_plan(config.sp)  # a plan it cannot apply is refused here, named
     shape = getattr(model, "shape", {})
     for key in ("heads", "kv_heads", "dim", "ffn", "vocab"):
         n = shape.get(key)
@@ -242,8 +243,9 @@ def apply_tensor_parallel(module: nn.Module, mesh: Any, sequence_parallel: bool)
     top, per_layer = module.tensor_parallel_plan(sequence_parallel)
     if top:
         parallelize_module(module, mesh, top)
-    for layer in module.get_submodule(module.pipeline_layout.stack):
-        parallelize_module(layer, mesh, per_layer)
+    if per_layer:
+        for layer in module.get_submodule(module.pipeline_layout.stack):
+            parallelize_module(layer, mesh, per_layer)
     return module
 
 

@@ -68,6 +68,25 @@ def test_a_model_without_a_pipeline_layout_is_split_and_predicted_exactly_on_eve
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~25 s on 2 shared cores (2 ranks trace, run and measure 3 repeats)
+def test_a_transformers_llama_under_its_own_tensor_parallel_plan_is_predicted_exactly_on_every_rank():
+    """LlamaForCausalLM (3 layers) at t = 2, sharded by its own _tp_plan
+    (parallel.hf_plans): every rank's prediction equals the least of its measured
+    repeats, never above any; gradients bitwise equal to none's on the rank and within
+    rounding of the single-process model."""
+    pytest.importorskip("transformers")
+    config = ParallelConfig(tp=2)
+    rows = measure_config(config, RunOptions("remat_pass.models.hf_families:llama", (("batch", 4),),
+                                             (("none", None), ("uniform", 1)), repeats=3),
+                          deadline_s=300, start_method="forkserver")
+    assert [(r.schedule, r.rank) for r in rows] == [("none", 0), ("none", 1), ("uniform(K=1)", 0), ("uniform(K=1)", 1)]
+    for r in rows:
+        assert r.predicted_peak_bytes == r.measured_peak_bytes, r
+        assert min(r.measured_runs_bytes) >= r.predicted_peak_bytes
+        assert r.grads_equal, r
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.slow  # ~14 s on 2 shared cores (5 measured repeats per rank)
 def test_tensor_parallel_predicted_equals_measured_on_every_rank():
     """t = 2 with sequence parallelism: each rank's graph holds its local shards and
