@@ -21,10 +21,22 @@ transformers' own integration and torchtitan's Llama):
 Any other style (expert parallelism, grouped GEMMs, packed projections, replicated
 parameters whose gradients are all-reduced after the step) is refused with its name, as
 is ``--sp``: the classes declare no sequence-parallel layouts for their norms.
+
+Pipeline stages come from the class's ``base_model_pp_plan`` (its base model's modules
+in order: those before the layer stack, the stack, those after it): a stage is a copy
+keeping its share of the stack (Megatron's even split); on the stages after the first
+the modules before the stack become ``nn.Identity`` and the stage is called with
+``inputs_embeds`` (the activation received), on the stages before the last the modules
+after it become ``nn.Identity`` and the base model's ``last_hidden_state`` is returned.
+Each stage makes its own rotary table and causal mask from the activation's shape (as
+torchtitan's and Megatron's stages do), so one activation crosses each boundary. The
+stages run one after another must give the model's loss (checked on the microbatch
+when the split is made), and tied input / output embeddings are refused.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 import torch
@@ -54,14 +66,69 @@ class RankStep(nn.Module):
     def __init__(self, lm: nn.Module, keys: tuple[str, ...]):
         super().__init__()
         self.lm, self.keys = lm, keys
+        self.first = self.last = True  # a pipeline stage's position (split_stage)
         c = lm.config
         sizes = {"heads": getattr(c, "num_attention_heads", None), "kv_heads": getattr(c, "num_key_value_heads", None),
                  "ffn": getattr(c, "intermediate_size", None), "vocab": getattr(c, "vocab_size", None)}
         self.shape = {k: v for k, v in sizes.items() if isinstance(v, int)}
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        out = self.lm(**dict(zip(self.keys, tensors)))
-        return out.loss if hasattr(out, "loss") else out
+        if self.first and self.last:
+            out = self.lm(**dict(zip(self.keys, tensors)))
+            return out.loss if hasattr(out, "loss") else out
+        head = {"input_ids" if self.first else "inputs_embeds": tensors[0]}
+        if self.last:
+            return self.lm(**head, **dict(zip(self.keys[1:], tensors[1:]))).loss
+        return self.lm.get_submodule(self.lm.base_model_prefix)(**head).last_hidden_state
+
+    def pipeline_modules(self) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """``(stack, before, after)``: module paths (in this module) of the layer stack
+        and of the base model's modules before / after it, from ``base_model_pp_plan``
+        (after: also the head, every module outside the base model).
+
+        Raises:
+            InvalidOption: the class has no ``base_model_pp_plan``, no stack in it,
+                inputs other than ``(input_ids, labels)``, or tied embeddings.
+        """
+        name = type(self.lm).__name__
+        plan = list(getattr(self.lm.config, "base_model_pp_plan", None) or {})
+        base_path = f"lm.{self.lm.base_model_prefix}"
+        base = self.get_submodule(base_path)
+        stacks = [n for n in plan if isinstance(getattr(base, n, None), nn.ModuleList)]
+        if len(stacks) != 1:
+            raise InvalidOption(f"--pp: {name} declares no pipeline plan with one layer stack (transformers' "
+                                f"base_model_pp_plan: {plan or 'none'})")
+        if self.keys != ("input_ids", "labels"):
+            raise InvalidOption(f"--pp: {name}'s stages take (input_ids, labels); the factory gives {list(self.keys)}")
+        if getattr(self.lm.config, "tie_word_embeddings", False):
+            raise InvalidOption(f"--pp: {name} ties its input and output embeddings (tie_word_embeddings), which "
+                                "sit on the first and last stage; untie them (tie_word_embeddings=False)")
+        i = plan.index(stacks[0])
+        heads = tuple(f"lm.{n}" for n, _ in self.lm.named_children() if n != self.lm.base_model_prefix)
+        return (f"{base_path}.{stacks[0]}", tuple(f"{base_path}.{n}" for n in plan[:i]),
+                tuple(f"{base_path}.{n}" for n in plan[i + 1:]) + heads)
+
+    def split_stage(self, stage: int, layers: range, num_stages: int) -> tuple["RankStep", dict[str, str]]:
+        """A copy of this module that runs stage ``stage`` (module docstring), and its
+        parameter names -> this module's."""
+        stack, before, after = self.pipeline_modules()
+        piece = copy.deepcopy(self)
+        piece.first, piece.last = stage == 0, stage == num_stages - 1
+        parent_path, _, attr = stack.rpartition(".")
+        parent = piece.get_submodule(parent_path)
+        setattr(parent, attr, nn.ModuleList(getattr(parent, attr)[i] for i in layers))
+        for path in (before if stage > 0 else ()) + (after if stage < num_stages - 1 else ()):
+            owner, _, leaf = path.rpartition(".")
+            setattr(piece.get_submodule(owner), leaf, nn.Identity())
+        prefix = stack + "."
+        names = {}
+        for name, _ in piece.named_parameters():
+            if name.startswith(prefix):
+                index, rest = name[len(prefix):].split(".", 1)
+                names[name] = f"{prefix}{int(index) + layers.start}.{rest}"
+            else:
+                names[name] = name
+        return piece, names
 
     def tensor_parallel_plan(self, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's ``_tp_plan`` as ``(plan of the whole module, {})`` for
@@ -78,7 +145,17 @@ class RankStep(nn.Module):
         if not plan:
             raise InvalidOption(f"--tp: {type(self.lm).__name__} declares no tensor-parallel plan "
                                 "(transformers' base_model_tp_plan is empty for this class)")
-        return {f"lm.{path}": _style(path, style) for path, style in plan.items()}, {}
+        return {f"lm.{path}": _style(path, style) for path, style in plan.items()
+                if "*" in path or _present(self.lm, path)}, {}
+
+
+def _present(module: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a module of ``module`` with parameters (a pipeline stage
+    replaces the other stages' outer modules with parameterless ``nn.Identity``)."""
+    try:
+        return any(True for _ in module.get_submodule(path).parameters())
+    except AttributeError:
+        return False
 
 
 def _style(path: str, style: str) -> Any:

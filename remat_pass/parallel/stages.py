@@ -1,11 +1,15 @@
 """Pipeline stages of a model: which module runs on which stage, for any model.
 
-Two sources, in this order:
+Three sources, in this order:
 
 - the model's own ``pipeline_layout`` (``models.PipelineLayout``, torchtitan's
   convention): every stage is a copy of the model that keeps its share of the layer
   stack, the outer modules of the first / last stage set to None on the others (the
   model's forward skips them);
+- a Hugging Face model's ``base_model_pp_plan`` (``hf_plans.RankStep.split_stage``:
+  the modules before and after its stack on the first and last stage, each stage
+  making its own rotary table and mask), checked: the stages run one after another
+  give the model's loss on the microbatch;
 - any other model with a layer stack (``graph.regions.find_layer_stack``): the model is
   split where Megatron-LM splits it, by ``torch.distributed.pipelining.pipeline``
   (``torch.export`` of the step's forward, cut at ``SplitPoint.BEGINNING`` of the
@@ -69,6 +73,9 @@ def stack_of(model: nn.Module) -> tuple[str, int]:
     layout = getattr(model, "pipeline_layout", None)
     if layout is not None:
         return layout.stack, len(model.get_submodule(layout.stack))
+    if hasattr(model, "pipeline_modules"):
+        path = model.pipeline_modules()[0]
+        return path, len(model.get_submodule(path))
     try:
         path, children = find_layer_stack(model)
     except LayerStackNotFound as e:
@@ -96,6 +103,8 @@ def split_stages(model: nn.Module, microbatch: Sequence[torch.Tensor], stages: S
     layout = getattr(model, "pipeline_layout", None)
     if layout is not None:
         return [_layout_stage(model, s, ranges[s], num_stages, layout, tuple(microbatch[0].shape)) for s in stages]
+    if hasattr(model, "split_stage"):
+        return _checked_stages(model, tuple(microbatch), stages, ranges, path)
     return _pipelining_stages(model, tuple(microbatch), stages, ranges, path)
 
 
@@ -124,6 +133,54 @@ def _layout_stage(model: nn.Module, stage: int, layers: range, num_stages: int, 
     dtype = next(model.parameters()).dtype
     return StageModule(stage, piece, names, layout.stack, () if stage == 0 else (*ids_shape[:2], layout.hidden),
                        None if stage == 0 else dtype)
+
+
+def _checked_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], stages: Sequence[int],
+                    ranges: Sequence[range], path: str) -> list[StageModule]:
+    """Every stage of ``model.split_stage``, run one after another on the microbatch
+    against the whole model: each layer's output and the loss must agree (a forward
+    that treats its stage's input otherwise than the model does, as Granite's
+    ``embedding_multiplier`` applied to ``inputs_embeds``, is refused); the
+    StageModules of ``stages``."""
+    pieces = [model.split_stage(s, r, len(ranges)) for s, r in enumerate(ranges)]
+    want_layers: dict[int, torch.Tensor] = {}
+    got_layers: dict[int, torch.Tensor] = {}
+    stack = model.get_submodule(path)
+    handles = _keep_outputs(stack, range(len(stack)), want_layers)
+    for (piece, _), r in zip(pieces, ranges):
+        handles += _keep_outputs(piece.get_submodule(path), r, got_layers)
+    try:
+        with torch.no_grad():
+            want = model(*microbatch)
+            x = microbatch[0]
+            for s, (piece, _) in enumerate(pieces):
+                x = piece(x, *microbatch[1:]) if s == len(ranges) - 1 else piece(x)
+    finally:
+        for h in handles:
+            h.remove()
+    differ = [i for i, t in want_layers.items() if not torch.allclose(got_layers[i], t, rtol=1e-5, atol=1e-6)]
+    if differ or not torch.allclose(x, want, rtol=1e-5, atol=0):
+        raise InvalidOption(f"{type(getattr(model, 'lm', model)).__name__}'s pipeline stages run one after another "
+                            f"give layers "
+                            f"{differ} other outputs than the whole model (loss {float(x):.6g} against "
+                            f"{float(want):.6g}): its forward treats a stage's input otherwise than the model "
+                            "does (e.g. scales inputs_embeds); not split")
+    hidden = getattr(getattr(model, "lm", model), "config").hidden_size
+    dtype = next(model.parameters()).dtype
+    shape = (*microbatch[0].shape[:2], hidden)
+    return [StageModule(s, pieces[s][0], pieces[s][1], path, () if s == 0 else shape, None if s == 0 else dtype)
+            for s in stages]
+
+
+def _keep_outputs(stack: nn.Module, indices: Sequence[int], out: dict[int, torch.Tensor]) -> list[Any]:
+    """Forward hooks that put the output of the stack's j-th layer (the first tensor of
+    a tuple) at ``out[indices[j]]``; returns their handles."""
+    def keep(i: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            out[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    return [layer.register_forward_hook(keep(i)) for i, layer in zip(indices, stack)]
 
 
 def _pipelining_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], stages: Sequence[int],

@@ -87,6 +87,23 @@ def test_a_transformers_llama_under_its_own_tensor_parallel_plan_is_predicted_ex
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow  # ~20 s on 2 shared cores
+def test_a_transformers_llama_split_by_its_pp_plan_is_predicted_exactly_on_every_rank():
+    """LlamaForCausalLM (4 layers) at p = 2, m = 2 (1F1B), its stages from
+    base_model_pp_plan (parallel.hf_plans): predicted = measured to the byte on every
+    rank, gradients bitwise equal to the single-process model."""
+    pytest.importorskip("transformers")
+    config = ParallelConfig(pp=2, microbatches=2)
+    rows = measure_config(config, RunOptions("remat_pass.models.hf_families:llama", (("batch", 4), ("layers", 4)),
+                                             (("none", None), ("uniform", 1))),
+                          deadline_s=300, start_method="forkserver")
+    assert [(r.schedule, r.rank) for r in rows] == [("none", 0), ("none", 1), ("uniform(K=1)", 0), ("uniform(K=1)", 1)]
+    for r in rows:
+        assert r.predicted_peak_bytes == r.measured_peak_bytes, r
+        assert r.grads_equal and r.grads_bitwise_vs_single_process, r
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.slow  # ~14 s on 2 shared cores (5 measured repeats per rank)
 def test_tensor_parallel_predicted_equals_measured_on_every_rank():
     """t = 2 with sequence parallelism: each rank's graph holds its local shards and

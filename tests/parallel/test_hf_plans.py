@@ -74,3 +74,52 @@ def test_the_fused_projections_of_phi3_are_gathered_then_split_as_its_plan_says(
 def test_keyword_inputs_of_a_model_that_is_not_from_transformers_are_refused():
     with pytest.raises(InvalidOption, match="keyword arguments \\['x'\\]"):
         rank_step_model(nn.Linear(2, 2), {"x": torch.zeros(2, 2)})
+
+
+def test_pipeline_stages_come_from_the_classes_base_model_pp_plan():
+    """Llama, 4 layers over 2 stages: the embedding and layers 0-1 on stage 0, layers
+    2-3, the norm and the head on stage 1 (the other stage's outer modules are
+    parameterless Identity); the full model's names; the stages run one after another
+    give the model's loss."""
+    from remat_pass.parallel.stages import split_stages, stack_of
+    from remat_pass.parallel.ranks import microbatches
+
+    model, inputs = rank_step_model(*llama(batch=4, layers=4)[:2])
+    assert stack_of(model) == ("lm.model.layers", 4)
+    mb = microbatches(inputs, 2)[0]
+    first, last = split_stages(model, mb, [0, 1], 2)
+    def owners(names):  # "lm.model.layers.2.mlp.up_proj.weight" -> "model.layers.2"
+        return {".".join(n.split(".")[1:4]) if ".layers." in n else n[3:].rsplit(".", 1)[0] for n in names}
+
+    assert owners(first.param_names.values()) == {"model.embed_tokens", "model.layers.0", "model.layers.1"}
+    assert owners(last.param_names.values()) == {"model.layers.2", "model.layers.3", "model.norm", "lm_head"}
+    assert set(first.param_names.values()) | set(last.param_names.values()) == set(dict(model.named_parameters()))
+    assert last.boundary_shape == (2, 16, 32) and first.boundary_shape == ()
+    with torch.no_grad():
+        assert torch.allclose(last.module(first.module(mb[0]), mb[1]), model(*mb), rtol=1e-6, atol=0)
+
+
+def _granite(tied: bool) -> tuple[nn.Module, dict]:
+    import transformers
+
+    cfg = transformers.GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     embedding_multiplier=12.0, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16))
+    return transformers.GraniteForCausalLM(cfg).train(), {"input_ids": ids, "labels": ids}
+
+
+def test_a_stage_split_that_changes_the_loss_or_ties_the_embeddings_is_refused():
+    """Granite multiplies whatever enters its base model as inputs_embeds by its
+    embedding_multiplier, the received activation too: the chained stages' second layer
+    gives other outputs than the model's, so it is not split; with tied embeddings the split is refused
+    before."""
+    from remat_pass.parallel.stages import split_stages
+
+    model, inputs = rank_step_model(*_granite(tied=True))
+    with pytest.raises(InvalidOption, match="ties its input and output embeddings"):
+        split_stages(model, inputs, [0], 2)
+    model, inputs = rank_step_model(*_granite(tied=False))
+    with pytest.raises(InvalidOption, match=r"GraniteForCausalLM's pipeline stages run one after another give layers \[1\] other outputs than the whole model"):
+        split_stages(model, inputs, [0], 2)
