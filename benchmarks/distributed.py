@@ -15,8 +15,13 @@ with and without SP, PP=2 and PP=4 with 1F1B and GPipe (m = 4, 8), interleaved 1
 reported (which rank, why). On CUDA machines ``--device cuda`` runs the same ranks
 with nccl, one GPU per rank (not run on this project's CPU machines).
 
-The model is ``remat_pass.models:tiny_llama`` (hidden 64, 4 heads, FFN 128, seq 32,
-vocab 128), fp32.
+The models: ``remat_pass.models:tiny_llama`` (hidden 64, 4 heads, FFN 128, seq 32,
+vocab 128; the project's own pipeline layout and tensor-parallel plan), fp32; the
+Hugging Face ``LlamaForCausalLM`` of ``remat_pass.models.hf_families:llama`` (hidden 32,
+4 heads, 2 KV heads, seq 16, vocab 64) split and sharded by its own ``base_model_pp_plan``
+and ``_tp_plan`` (rows named ``hf-llama/...``); and a plain ``nn.ModuleList`` GPT
+with no attribute of this project (``tests/helpers/user_models.py``, rows
+``plain-gpt/...``), split by ``torch.distributed.pipelining``.
 """
 
 from __future__ import annotations
@@ -31,16 +36,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # user_models
 
 from remat_pass.parallel.distributed import RunOptions, measure_config  # noqa: E402
 from remat_pass.parallel.fsdp_measure import measure_fsdp  # noqa: E402
 from remat_pass.formatting import text_table  # noqa: E402
 from remat_pass.parallel.launch import RankFailed  # noqa: E402
 from remat_pass.models import build  # noqa: E402
+from remat_pass.parallel.hf_plans import rank_step_model  # noqa: E402
 from remat_pass.parallel.ranks import ParallelConfig, validate  # noqa: E402
 from remat_pass.parallel.plan import predict_config  # noqa: E402
 
 FACTORY = "remat_pass.models:tiny_llama"
+HF_LLAMA = "remat_pass.models.hf_families:llama"
+PLAIN_GPT = "user_models:plain_gpt"
+SHORT = {FACTORY: "", HF_LLAMA: "hf-llama/", PLAIN_GPT: "plain-gpt/"}
 NONE, U1, U2, B1 = ("none", None), ("uniform", 1), ("uniform", 2), ("block", 1)
 
 
@@ -50,6 +60,12 @@ class Case:
     factory_kwargs: tuple[tuple[str, int], ...]
     settings: tuple[tuple[str, int | None], ...]
     repeats: int = 1
+    factory: str = FACTORY
+
+    @property
+    def name(self) -> str:
+        """The configuration's name, prefixed by the model's (``hf-llama/tp2``)."""
+        return SHORT[self.factory] + self.config.name
 
 
 CASES = [
@@ -65,15 +81,26 @@ CASES = [
          (NONE, U1, U2)),
     Case(ParallelConfig(tp=2, sp=True, pp=2, microbatches=4), (("batch", 8), ("layers", 4)), (NONE, U1), repeats=3),
     Case(ParallelConfig(fsdp=2), (("batch", 8), ("layers", 4)), (NONE,), repeats=3),
+    Case(ParallelConfig(tp=2), (("batch", 4), ("layers", 4)), (NONE, U1, U2, B1), repeats=5, factory=HF_LLAMA),
+    Case(ParallelConfig(pp=2, microbatches=4), (("batch", 8), ("layers", 4)), (NONE, U1, U2, B1), factory=HF_LLAMA),
+    Case(ParallelConfig(pp=4, microbatches=8), (("batch", 8), ("layers", 8)), (NONE, U1, U2, B1), factory=HF_LLAMA),
+    Case(ParallelConfig(pp=4, microbatches=8, pipeline_schedule="gpipe"), (("batch", 8), ("layers", 8)),
+         (NONE, U1, U2, B1), factory=HF_LLAMA),
+    Case(ParallelConfig(pp=2, microbatches=4, pipeline_schedule="interleaved", vpp=2), (("batch", 8), ("layers", 8)),
+         (NONE, U1, U2), factory=HF_LLAMA),
+    Case(ParallelConfig(tp=2, pp=2, microbatches=4), (("batch", 8), ("layers", 4)), (NONE, U1), repeats=3,
+         factory=HF_LLAMA),
+    Case(ParallelConfig(fsdp=2), (("batch", 8), ("layers", 4)), (NONE,), repeats=3, factory=HF_LLAMA),
+    Case(ParallelConfig(pp=2, microbatches=4), (("batch", 8), ("layers", 4)), (NONE, U1, U2, B1), factory=PLAIN_GPT),
 ]
 
 
 def run_case(case: Case, device: str) -> tuple[list[dict], str | None]:
     """Predict (fake process group) and measure one configuration; JSON rows and the
     failure (None when every rank returned)."""
-    model, inputs, _ = build(FACTORY, **dict(case.factory_kwargs))
+    model, inputs = rank_step_model(*build(case.factory, **dict(case.factory_kwargs))[:2])
     validate(case.config, model, inputs[0].shape[0], inputs[0].shape[1])
-    options = RunOptions(FACTORY, case.factory_kwargs, case.settings, repeats=case.repeats, device=device)
+    options = RunOptions(case.factory, case.factory_kwargs, case.settings, repeats=case.repeats, device=device)
     try:
         if case.config.fsdp > 1:
             return [fsdp_row(r) for r in measure_fsdp(case.config, options)], None
@@ -132,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, metavar="N",
                     help="measured steps per setting and rank, instead of each configuration's own (1-5)")
     args = ap.parse_args(argv)
-    names = [case.config.name for case in CASES]
+    names = [case.name for case in CASES]
     unknown = [n for n in args.only or () if n not in names]
     if unknown:
         ap.error(f"--only: no configuration named {', '.join(unknown)}; the names are: {', '.join(names)}")
@@ -143,16 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows, failures = [], []
     for case in CASES:
-        if args.only and case.config.name not in args.only:
+        if args.only and case.name not in args.only:
             continue
         t0 = time.perf_counter()
         if args.repeats:
             case = dataclasses.replace(case, repeats=args.repeats)
         got, failure = run_case(case, args.device)
-        print(f"{case.config.name}: {case.config.world_size} ranks, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        print(f"{case.name}: {case.config.world_size} ranks, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         if failure:
-            print(f"{case.config.name} FAILED: {failure}", file=sys.stderr)
-            failures.append(case.config.name)
+            print(f"{case.name} FAILED: {failure}", file=sys.stderr)
+            failures.append(case.name)
+        for r in got:
+            r["config"] = SHORT[case.factory] + r["config"]
         rows += got
         if got:
             print(table(got), flush=True)

@@ -23,7 +23,7 @@ from ..parallel.distributed import RunOptions, measure_config
 from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, parse_bytes, text_table
 from ..parallel.fsdp_measure import measure_fsdp
-from ..models.shipped import build
+from ..models.configs import ModelSpec, build_factory, build_from_config, default_task, load_config
 from ..parallel.hf_plans import rank_step_model
 from ..parallel.ranks import ParallelConfig, validate
 from ..parallel.plan import FSDP_COLUMNS, PREDICTION_COLUMNS, fsdp_rows, megatron_flags, plan_stages, predict_config
@@ -56,15 +56,18 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig | None:
                             pipeline_schedule=args.pipeline_schedule, vpp=args.vpp, fsdp=args.fsdp)
     if config == ParallelConfig():
         return None
+    without_weights = getattr(args, "config", None) or getattr(args, "meta", False) or getattr(args, "dtype", None)
     unsupported = [flag for flag, given in (
-        ("--config", getattr(args, "config", None)), ("--meta", getattr(args, "meta", False)),
+        ("--measure with --config / --meta / --dtype", without_weights and getattr(args, "measure", False)),
+        ("--fsdp with --config / --meta / --dtype", without_weights and config.fsdp > 1),
         ("--target cuda", getattr(args, "target", "cpu") != "cpu"), ("--autocast", getattr(args, "autocast", None)),
         ("--stack", getattr(args, "stack", None)),
         ("--selective / --recompute-modules / --policy", any(getattr(args, o, None) for o in (
             "selective", "recompute_modules", "policy")))) if given]
     if unsupported:
-        raise ValueError(f"the per-rank commands (--tp, --pp, --fsdp) take a --model factory on the CPU target; "
-                         f"{', '.join(unsupported)} are not supported with them yet")
+        raise ValueError(f"the per-rank commands (--tp, --pp, --fsdp) predict a --model factory or a --config on "
+                         f"the CPU target, and measure a factory with weights; {', '.join(unsupported)} are not "
+                         "supported with them yet")
     return config
 
 
@@ -78,7 +81,15 @@ def load_parallel(args: argparse.Namespace, config: ParallelConfig) -> tuple[Any
             ``torch.distributed.pipelining``'s last stage does).
         InvalidOption: ``config`` against the model (``parallel.ranks.validate``).
     """
-    model, inputs, loss_fn = build(model_spec(args), batch=args.batch, seq=args.seq, layers=args.layers)
+    if getattr(args, "config", None):
+        config_ = load_config(args.config)
+        spec = ModelSpec(task=args.task or default_task(config_), dtype=args.dtype or "float32", meta=args.meta,
+                         batch=args.batch or 1, seq=args.seq or 128, layers=args.layers)
+        model, inputs, loss_fn = build_from_config(config_, spec)
+    else:
+        model, inputs, loss_fn = build_factory(model_spec(args), meta=getattr(args, "meta", False),
+                                               dtype=getattr(args, "dtype", None), batch=args.batch, seq=args.seq,
+                                               layers=args.layers)
     if loss_fn is not None:
         raise ValueError(f"the per-rank commands (--tp, --pp, --fsdp) split the batch into microbatches and compute "
                          f"the loss on the last stage, so the model must take the targets and return the loss "
@@ -97,8 +108,11 @@ def sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> bool:
     t0 = time.perf_counter()
     if config.fsdp > 1:
         return sweep_fsdp(args, config, model, inputs)
-    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu")
-    print(f"{config.name}: {config.world_size} ranks traced with the fake process group "
+    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None)) and config.tp > 1
+    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", tp_alike=alike)
+    traced = f"{config.pp * config.fsdp} ranks traced (one per tensor-parallel group, whose ranks hold shards " \
+        f"of the same shapes)" if alike else f"{config.world_size} ranks traced"
+    print(f"{config.name}: {traced} with the fake process group "
           f"({time.perf_counter() - t0:.1f}s); peaks are activation bytes of one step "
           f"({config.microbatches} microbatches), static = parameters, buffers, batch", file=sys.stderr)
     print(text_table(PREDICTION_COLUMNS, prediction_rows(preds)))
@@ -177,7 +191,8 @@ def plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> None:
     if config.fsdp > 1:
         plan_fsdp(config, model, inputs, device)
         return
-    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu")
+    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None)) and config.tp > 1
+    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", tp_alike=alike)
     plan = plan_stages(preds, device)
     print(stage_plan_text(config, plan))
     if args.json:

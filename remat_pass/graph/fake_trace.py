@@ -65,7 +65,21 @@ class FakeConverter:
         self._sources: list[torch.Tensor] = []  # keeps the ids in _memo unique
 
     def convert(self, tensors: Sequence[torch.Tensor]) -> list[FakeTensor]:
-        """The fakes of ``tensors``, in order (the same tensor twice: the same fake)."""
+        """The fakes of ``tensors``, in order (the same tensor twice: the same fake). A
+        DTensor (a tensor-parallel parameter) becomes a DTensor of the same mesh and
+        placements over the fake of its local shard."""
+        from torch.distributed.tensor import DTensor
+
+        subclass = [t for t in tensors if isinstance(t, DTensor)]
+        if subclass:
+            locals_ = self.convert([t._local_tensor for t in subclass])
+            for t, fake_local in zip(subclass, locals_):
+                if id(t) not in self._memo:
+                    self._memo[id(t)] = DTensor(fake_local.detach(), t._spec, requires_grad=t.requires_grad)
+                    self._sources.append(t)
+            tensors_plain = [t for t in tensors if not isinstance(t, DTensor)]
+            self.convert(tensors_plain)
+            return [self._memo[id(t)] for t in tensors]
         groups: dict[int, list[torch.Tensor]] = {}
         for t in tensors:
             group = groups.setdefault(t.untyped_storage()._cdata, [])
@@ -141,6 +155,7 @@ def trace_joint_fake(
     loss_fn: LossFn | None = None,
     symbols: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
+    output: str = "loss",
 ) -> JointGraph:
     """``trace_joint`` for a model without weights, traced as if it lived on ``device``.
 
@@ -153,6 +168,7 @@ def trace_joint_fake(
         device: the device the fakes report; it decides the kernels (CPU: the CPU's
             SDPA flash kernel). Use ``"cpu"`` with ``cuda_target.CudaKernels`` active
             to model a GPU.
+        output: ``"loss"`` or ``"activation"`` (a pipeline stage), as ``trace_joint``.
 
     Returns:
         The JointGraph, ``fake=True``: ``primal_values`` and ``tangent_values`` are
@@ -177,7 +193,7 @@ def trace_joint_fake(
         True
     """
     dev = check_trace_device(device)
-    flat = flatten_step(model, example_inputs, loss_fn)
+    flat = flatten_step(model, example_inputs, loss_fn, output)
     shape_env = ShapeEnv() if symbols else None
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     converter = FakeConverter(mode, dev)
@@ -206,7 +222,7 @@ def trace_joint_fake(
                 f"with real values ({e.__cause__})") from e
         raise
     return joint_graph(flat, joint, num_fwd_outputs, model, fakes, dims_of_symbol, shape_env,
-                       primal_values=fakes, fake=True)
+                       primal_values=fakes, fake=True, output=output)
 
 
 def has_no_data(model: torch.nn.Module, example_inputs: Any = ()) -> bool:
@@ -245,16 +261,13 @@ def trace_model(
         model, example_inputs, loss_fn: as ``trace.trace_joint``.
         fake: trace with fake tensors even if the model has weights.
         kernels: a context manager factory active while a fake step is traced.
-        output: ``"loss"`` or ``"activation"`` (a pipeline stage; a real trace only).
+        output: ``"loss"`` or ``"activation"`` (a pipeline stage, ``trace.trace_joint``).
 
     Raises:
         UnsupportedGraph, RematError, ValueError: as ``trace_joint`` and
             ``trace_joint_fake``.
-        ValueError: ``output="activation"`` for a fake trace.
     """
     if fake or has_no_data(model, example_inputs):
-        if output != "loss":
-            raise ValueError(f"output={output!r}: a pipeline stage is traced with its weights (real tensors)")
         with (kernels or contextlib.nullcontext)():
-            return trace_joint_fake(model, example_inputs, loss_fn)
+            return trace_joint_fake(model, example_inputs, loss_fn, output=output)
     return trace_joint(model, example_inputs, loss_fn, output=output)

@@ -222,8 +222,10 @@ class _RankStep:
 class _SettledCollectives:
     """Measurement-only run of a step's functional collectives: each collective gets a
     view of its input that only we and the c10d Work reference; at its wait_tensor we
-    wait, then spin until that view is referenced by us alone, i.e. gloo's worker thread
-    has destroyed the Work and everything it owned (its input reference, gloo's copies).
+    wait, then spin until that view and the output are referenced by us alone, i.e.
+    gloo's worker thread has destroyed the Work and everything it owned (its input and
+    output references, gloo's copies): had the executor dropped the output first, the
+    worker's drop would free it on a thread the profiler does not record.
     The Work's buffers are then freed before the graph goes on, as the liveness rules
     assume, instead of whenever the worker thread gets to drop its reference."""
 
@@ -245,11 +247,11 @@ class _SettledCollectives:
 
         out = torch.ops._c10d_functional.wait_tensor.default(t)
         view = self.views.pop(id(t), None)
-        if view is not None:
-            t0 = time.monotonic()
-            while view._use_count() > 1 and time.monotonic() - t0 < self.timeout_s:
+        t0 = time.monotonic()
+        for held in (view, out):  # the input's view, then the output (an all_reduce's Work holds it)
+            while held is not None and held._use_count() > 1 and time.monotonic() - t0 < self.timeout_s:
                 time.sleep(0)
-            del view
+        del view
         return out
 
     def step(self, step: RewrittenStep) -> RewrittenStep:

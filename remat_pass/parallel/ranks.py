@@ -304,7 +304,7 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
         One StageGraph per stage the rank holds, in stage order.
     """
     device = next(model.parameters()).device
-    mesh = tp_mesh(config, device.type)
+    mesh = tp_mesh(config, "cpu" if device.type == "meta" else device.type)  # a meta model: its fakes are CPU
     mb = microbatches(inputs, config.microbatches)[0]
     out = []
     stages = config.stages_of(rank)

@@ -140,9 +140,23 @@ def _checked_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], stag
     """Every stage of ``model.split_stage``, run one after another on the microbatch
     against the whole model: each layer's output and the loss must agree (a forward
     that treats its stage's input otherwise than the model does, as Granite's
-    ``embedding_multiplier`` applied to ``inputs_embeds``, is refused); the
-    StageModules of ``stages``."""
+    ``embedding_multiplier`` applied to ``inputs_embeds``, is refused; a model on
+    the meta device is not run: its class's split is the one checked with weights);
+    the StageModules of ``stages``."""
     pieces = [model.split_stage(s, r, len(ranges)) for s, r in enumerate(ranges)]
+    if next(model.parameters()).device.type != "meta":  # without weights: the class's split, checked with weights
+        _check_chained(model, pieces, microbatch, ranges, path)
+    hidden = getattr(getattr(model, "lm", model), "config").hidden_size
+    dtype = next(model.parameters()).dtype
+    shape = (*microbatch[0].shape[:2], hidden)
+    return [StageModule(s, pieces[s][0], pieces[s][1], path, () if s == 0 else shape, None if s == 0 else dtype)
+            for s in stages]
+
+
+def _check_chained(model: nn.Module, pieces: Sequence[tuple[nn.Module, Any]], microbatch: tuple[torch.Tensor, ...],
+                   ranges: Sequence[range], path: str) -> None:
+    """Refuse a split whose stages run one after another give another layer output or
+    loss than the whole model (``_checked_stages``)."""
     want_layers: dict[int, torch.Tensor] = {}
     got_layers: dict[int, torch.Tensor] = {}
     stack = model.get_submodule(path)
@@ -165,11 +179,6 @@ def _checked_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], stag
                             f"{differ} other outputs than the whole model (loss {float(x):.6g} against "
                             f"{float(want):.6g}): its forward treats a stage's input otherwise than the model "
                             "does (e.g. scales inputs_embeds); not split")
-    hidden = getattr(getattr(model, "lm", model), "config").hidden_size
-    dtype = next(model.parameters()).dtype
-    shape = (*microbatch[0].shape[:2], hidden)
-    return [StageModule(s, pieces[s][0], pieces[s][1], path, () if s == 0 else shape, None if s == 0 else dtype)
-            for s in stages]
 
 
 def _keep_outputs(stack: nn.Module, indices: Sequence[int], out: dict[int, torch.Tensor]) -> list[Any]:
@@ -189,6 +198,10 @@ def _pipelining_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], s
     layer of every stage but the first (module docstring)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    if next(model.parameters()).device.type == "meta":
+        raise InvalidOption(f"{type(model).__name__} has no pipeline_layout nor a transformers pipeline plan, so its "
+                            "stages are split by torch.export of its forward, which needs weights: leave out --meta "
+                            "(or give the model a pipeline_layout, remat_pass.models.PipelineLayout)")
     _, children = find_layer_stack(model, path)
     split_spec = {f"{path}.{children[r.start]}": SplitPoint.BEGINNING for r in ranges[1:]}
     try:

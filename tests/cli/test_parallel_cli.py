@@ -65,6 +65,31 @@ def test_a_factory_with_a_loss_fn_is_refused_by_the_per_rank_commands(capsys):
     assert "must take the targets and return the loss" in err and "returns a loss_fn" in err
 
 
+@pytest.mark.parametrize("extra,says", [
+    (["--meta", "--tp", "2", "--measure"], "--measure with --config / --meta / --dtype"),
+    (["--dtype", "bfloat16", "--fsdp", "2"], "--fsdp with --config / --meta / --dtype"),
+])
+def test_a_model_without_weights_is_predicted_per_rank_not_measured(extra, says, capsys):
+    """``--meta`` / ``--config`` / ``--dtype`` build a model the ranks cannot run: the
+    per-rank commands predict it, and refuse to measure it or to shard it with FSDP."""
+    assert main(["sweep", *TINY, *extra]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("remat-pass: error:") and says in err and "Traceback" not in err
+
+
+def test_meta_per_rank_rows_equal_those_of_the_model_with_weights(tmp_path, capsys):
+    """``sweep --meta --tp 2 --pp 2``: the ranks are traced with fake tensors (one per
+    tensor-parallel group) and give the same rows as the model with weights."""
+    rows = {}
+    for name, extra in (("real", []), ("meta", ["--meta"])):
+        path = tmp_path / f"{name}.json"
+        assert main(["sweep", *TINY[:2], "--batch", "4", "--layers", "2", "--tp", "2", "--pp", "2",
+                     "--microbatches", "2", "--json", str(path), *extra]) == 0
+        rows[name] = [{k: v for k, v in r.items() if k != "config"} for r in json.loads(path.read_text())["rows"]]
+    assert "one per tensor-parallel group" in capsys.readouterr().err
+    assert rows["meta"] == rows["real"] and len(rows["real"]) == 3 * 4
+
+
 def test_plan_needs_a_device_memory_per_rank(capsys):
     assert main(["plan", *TINY, "--pp", "2", "--microbatches", "2"]) == EXIT_USAGE
     assert "--device-memory" in capsys.readouterr().err

@@ -229,8 +229,8 @@ def test_symbolic_fake_trace_equals_the_real_one():
 def test_trace_model_is_the_one_choice_of_real_or_fake():
     """``fake_trace.trace_model`` traces a model with weights for real, one on the meta
     device (or any, with ``fake=True``) with fake tensors under the given kernels, node
-    for node the same graph; a pipeline stage (``output="activation"``) is traced with
-    its weights only."""
+    for node the same graph; a pipeline stage (``output="activation"``: its output's
+    tangent a placeholder) alike."""
     from remat_pass.graph.fake_trace import trace_model
 
     entered = []
@@ -255,5 +255,8 @@ def test_trace_model_is_the_one_choice_of_real_or_fake():
     assert meta.fake and fake.fake and entered == [True]
     assert node_signature(meta.gm) == node_signature(fake.gm)
     assert [n.target for n in real.gm.graph.nodes] == [n.target for n in meta.gm.graph.nodes]
-    with pytest.raises(ValueError, match="pipeline stage"):
-        trace_model(chain(), (torch.randn(3, 4),), lambda y: y.sum(), fake=True, output="activation")
+    stage_real = trace_model(chain(), (torch.randn(3, 4),), None, output="activation")
+    stage_fake = trace_model(chain(), (torch.randn(3, 4),), None, fake=True, output="activation")
+    assert stage_fake.fake and not stage_real.fake
+    assert node_signature(stage_fake.gm) == node_signature(stage_real.gm)
+    assert [n.op for n in stage_fake.gm.graph.nodes].count("placeholder") == len(stage_fake.primal_values) + 1

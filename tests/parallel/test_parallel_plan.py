@@ -7,7 +7,7 @@ import pytest
 
 from remat_pass.errors import InfeasibleBudget
 from remat_pass.parallel.ranks import ParallelConfig, RankPrediction
-from remat_pass.parallel.plan import megatron_flags, plan_stages, stage_plan_text
+from remat_pass.parallel.plan import megatron_flags, plan_stages, predict_config, stage_plan_text
 from remat_pass.parallel.pipeline import RankPeak
 
 MIB = 1 << 20
@@ -54,3 +54,27 @@ def test_a_rank_that_fits_under_no_setting_is_infeasible_with_its_least_need():
     with pytest.raises(InfeasibleBudget, match="rank 0 .* needs at least 5.00 MiB") as e:
         plan_stages([STAGE0, STAGE1], 4 * MIB)
     assert e.value.least_feasible_peak_bytes == 5 * MIB
+
+
+def test_predictions_without_weights_equal_those_with_and_tp_alike_ranks_equal_their_own_traces():
+    """A transformers Llama (4 layers) at t = 2 x p = 2, m = 2: every rank's
+    predictions built on the meta device (fake tensors, DTensor shards of fakes) equal
+    those with weights byte for byte, and giving the ranks of a tensor-parallel group
+    the predictions of its first rank equals tracing each one."""
+    pytest.importorskip("transformers")
+    from remat_pass.models.configs import build_factory
+    from remat_pass.parallel.hf_plans import rank_step_model
+
+    config = ParallelConfig(tp=2, pp=2, microbatches=2)
+    settings = [("none", None), ("uniform", 1), ("block", 1)]
+
+    def figures(preds):
+        return [[(p.rank, p.schedule, p.peak_bytes, p.static_bytes, p.peak.node, p.recompute_flops) for p in r]
+                for r in preds]
+
+    real = rank_step_model(*build_factory("remat_pass.models.hf_families:llama", batch=4, layers=4)[:2])
+    meta = rank_step_model(*build_factory("remat_pass.models.hf_families:llama", meta=True, batch=4, layers=4)[:2])
+    assert next(meta[0].parameters()).is_meta
+    each = figures(predict_config(*real, config, settings))
+    assert figures(predict_config(*meta, config, settings)) == each
+    assert figures(predict_config(*meta, config, settings, tp_alike=True)) == each
