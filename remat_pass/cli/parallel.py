@@ -108,10 +108,10 @@ def sweep_parallel(args: argparse.Namespace, config: ParallelConfig) -> bool:
     t0 = time.perf_counter()
     if config.fsdp > 1:
         return sweep_fsdp(args, config, model, inputs)
-    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None)) and config.tp > 1
-    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", tp_alike=alike)
+    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None))
+    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", alike=alike)
     traced = f"{config.pp * config.fsdp} ranks traced (one per tensor-parallel group, whose ranks hold shards " \
-        f"of the same shapes)" if alike else f"{config.world_size} ranks traced"
+        f"of the same shapes; one middle stage for the alike ones)" if alike else f"{config.world_size} ranks traced"
     print(f"{config.name}: {traced} with the fake process group "
           f"({time.perf_counter() - t0:.1f}s); peaks are activation bytes of one step "
           f"({config.microbatches} microbatches), static = parameters, buffers, batch", file=sys.stderr)
@@ -191,8 +191,8 @@ def plan_parallel(args: argparse.Namespace, config: ParallelConfig) -> None:
     if config.fsdp > 1:
         plan_fsdp(config, model, inputs, device)
         return
-    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None)) and config.tp > 1
-    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", tp_alike=alike)
+    alike = bool(getattr(args, "meta", False) or getattr(args, "config", None))
+    preds = predict_config(model, inputs, config, allocator=args.allocator or "cpu", alike=alike)
     plan = plan_stages(preds, device)
     print(stage_plan_text(config, plan))
     if args.json:

@@ -37,7 +37,8 @@ when the split is made), and tied input / output embeddings are refused.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -53,12 +54,39 @@ def is_transformers_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "to_dict") and hasattr(model, "_tp_plan")
 
 
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """While active, transformers' ``masking_utils.find_packed_sequence_indices``
+    returns None (no packed sequences), as it does on the position ids a model makes
+    itself (``arange``, the same in every row); for a step that passes no position ids."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        yield
+        return
+    saved = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = saved
+
+
 class RankStep(nn.Module):
     """``forward(*tensors) -> loss`` of a model taking keyword inputs and returning an
     object with ``.loss`` (a transformers model); its parameters are those of ``lm``.
 
     Attributes:
         lm: the wrapped model; keys: the keyword of each positional input.
+        options: keywords every call passes: ``use_cache=False`` where the config has
+            ``use_cache`` (a training step keeps no KV cache: with one, the eager step
+            holds each layer's keys and values to the end of the forward, which the
+            traced step, where they are dead, does not). Without a cache transformers
+            looks for packed sequences in the position ids, a branch on their values
+            (``masking_utils.find_packed_sequence_indices``); the positions here are
+            the model's own ``arange``, one sequence per row, for which it returns
+            None, so it is called as returning None (``one_sequence_per_row``) and a
+            step with fake tensors traces as the real one does.
         shape: the sizes tensor parallelism divides (``ranks.validate``): heads,
             kv_heads, ffn (intermediate size), vocab, read from the model's config.
     """
@@ -68,15 +96,22 @@ class RankStep(nn.Module):
         self.lm, self.keys = lm, keys
         self.first = self.last = True  # a pipeline stage's position (split_stage)
         c = lm.config
+        self.options = {"use_cache": False} if getattr(c, "use_cache", None) is not None else {}
         sizes = {"heads": getattr(c, "num_attention_heads", None), "kv_heads": getattr(c, "num_key_value_heads", None),
                  "ffn": getattr(c, "intermediate_size", None), "vocab": getattr(c, "vocab_size", None)}
         self.shape = {k: v for k, v in sizes.items() if isinstance(v, int)}
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        if self.options:
+            with one_sequence_per_row():
+                return self._forward(*tensors)
+        return self._forward(*tensors)
+
+    def _forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         if self.first and self.last:
-            out = self.lm(**dict(zip(self.keys, tensors)))
+            out = self.lm(**dict(zip(self.keys, tensors)), **self.options)
             return out.loss if hasattr(out, "loss") else out
-        head = {"input_ids" if self.first else "inputs_embeds": tensors[0]}
+        head = {"input_ids" if self.first else "inputs_embeds": tensors[0], **self.options}
         if self.last:
             return self.lm(**head, **dict(zip(self.keys[1:], tensors[1:]))).loss
         return self.lm.get_submodule(self.lm.base_model_prefix)(**head).last_hidden_state

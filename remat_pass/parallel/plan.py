@@ -44,7 +44,7 @@ def stage_schedules(num_layers: int) -> list[tuple[str, int | None]]:
 def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
                    settings: Sequence[tuple[str, int | None]] | None = None,
                    allocator: str = "cpu", grad_accumulator: str = "in_step",
-                   threads: int = RANK_THREADS, tp_alike: bool = False) -> list[list[RankPrediction]]:
+                   threads: int = RANK_THREADS, alike: bool = False) -> list[list[RankPrediction]]:
     """Every rank's predicted step under every setting, traced with the fake process
     group one rank at a time (no processes, nothing communicated).
 
@@ -54,22 +54,26 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
         settings: ``(method, K or N)`` per setting; default ``stage_schedules(L_stage)``.
         threads: each rank's intra-op threads; default ``launch.RANK_THREADS``, the
             count the measured gloo ranks run with (not this process's).
-        tp_alike: trace one rank per pipeline position (tensor-parallel index 0) and
-            give its predictions to the other ranks of its tensor-parallel group: they
-            hold shards of the same shapes (``validate`` makes t divide every split
-            size), so their graphs differ only in the names of their process groups
-            (tests/parallel/test_parallel_plan.py checks it against tracing each).
+        alike: trace what is alike once. One rank per pipeline position
+            (tensor-parallel index 0) gives its predictions to the other ranks of its
+            tensor-parallel group: they hold shards of the same shapes (``validate``
+            makes t divide every split size), so their graphs differ only in the names
+            of their process groups. One middle stage (neither first nor last) stands
+            for every middle stage with the same ``stages.middle_stage_key`` (the
+            activation it receives, its layers' module evidence). Both are checked
+            against tracing each in tests/parallel/test_parallel_plan.py.
 
     Returns:
         ``[rank][setting]`` RankPredictions.
     """
     out: list[list[RankPrediction]] = []
+    alike_stages: dict[Any, Any] | None = {} if alike else None
     for rank in range(config.world_size):
-        if tp_alike and config.coords(rank)[1] > 0:
+        if alike and config.coords(rank)[1] > 0:
             out.append([dataclasses.replace(p, rank=rank) for p in out[rank - config.coords(rank)[1]]])
             continue
         with fake_process_group(rank, config.world_size):
-            graphs = trace_rank(model, inputs, config, rank)
+            graphs = trace_rank(model, inputs, config, rank, alike_stages)
         todo = list(settings) if settings is not None else stage_schedules(graphs[0].stack.num_layers)
         out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator, threads)
                     for m, k in todo])

@@ -35,7 +35,7 @@ from ..recompute import schedule as schedules
 from ..graph.costs import node_flops
 from ..errors import InvalidOption, LayerStackNotFound
 from .pipeline import RankPeak, StageProfile, compose, stage_profile
-from .stages import StageModule, split_stages, stack_of
+from .stages import StageModule, middle_stage_key, numbered_facts, split_stages, stack_of
 from .pipeline_schedule import (
     PIPELINE_SCHEDULES,
     Action,
@@ -287,7 +287,8 @@ def stage_inputs(first: bool, last: bool, microbatch: tuple[torch.Tensor, ...],
     return head + ((targets,) if last and targets is not None else ())
 
 
-def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int) -> list[StageGraph]:
+def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int,
+               alike_stages: dict[Any, StageGraph] | None = None) -> list[StageGraph]:
     """Rank ``rank``'s pipeline stages, parallelised and traced (module docstring).
 
     Needs an initialised default process group of ``config.world_size`` ranks (real,
@@ -299,6 +300,10 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
             microbatch 0.
         config: validated with ``validate`` first.
         rank: the global rank.
+        alike_stages: None, or a cache shared by the calls of one prediction: a middle
+            stage (neither first nor last) whose ``stages.middle_stage_key`` is in it is
+            not traced again; its graph stands for this stage (the predictions need
+            only its shapes; its module and parameter names are this stage's own).
 
     Returns:
         One StageGraph per stage the rank holds, in stage order.
@@ -313,11 +318,16 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
         pieces = [StageModule(0, copy.deepcopy(model), {n: n for n, _ in model.named_parameters()}, path, (), None)]
     else:
         pieces = split_stages(model, mb, stages, config.num_stages)
+    numbered = numbered_facts(model) if alike_stages is not None else set()
     for piece in pieces:
         s, module = piece.stage, piece.module
         first, last = s == 0, s == config.num_stages - 1
         if mesh is not None:
             apply_tensor_parallel(module, mesh, config.sp)
+        key = middle_stage_key(piece, numbered) if alike_stages is not None and not (first or last) else None
+        if key in (alike_stages or {}):
+            out.append(dataclasses.replace(alike_stages[key], stage=s, module=module, param_names=piece.param_names))
+            continue
         shape: tuple[int, ...] = ()
         x = None
         if not first:
@@ -329,6 +339,8 @@ def trace_rank(model: nn.Module, inputs: Any, config: ParallelConfig, rank: int)
             model=module, example_inputs=stage_inputs(first, last, mb, x), output="loss" if last else "activation",
             stack=piece.stack))
         out.append(StageGraph(s, first, last, module, traced.joint, traced.stack, piece.param_names, shape))
+        if key is not None:
+            alike_stages[key] = out[-1]
     return out
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import InvalidOption, LayerStackNotFound
+from ..graph.layer_alike import alike_key, module_evidence, numbering
 from ..graph.regions import find_layer_stack
 from .pipeline_schedule import stage_layers
 
@@ -242,3 +243,23 @@ def _pipelining_stage(gm: Any, stage: int, num_stages: int, model_inputs: list[s
         val = received[0].meta.get("val")
         shape, dtype = tuple(val.shape), val.dtype
     return StageModule(stage, gm, {n: n for n, _ in gm.named_parameters()}, path, shape, dtype)
+
+
+def numbered_facts(model: nn.Module) -> set[Any]:
+    """The facts of ``module_evidence`` that number the layers of the model's stack
+    (``layer_alike.numbering`` over all of them: a ``layer_idx``), left out when stages
+    are compared (``middle_stage_key``)."""
+    path, _ = stack_of(model)
+    return numbering([module_evidence(layer) for layer in model.get_submodule(path)])
+
+
+def middle_stage_key(piece: StageModule, numbered: set[Any]) -> Any:
+    """What decides a middle stage's traced graph (neither first nor last: no
+    embedding, no head): the activation it receives (shape, dtype) and, layer by layer,
+    ``module_evidence`` of its stack without the ``numbered`` facts (``layer_alike``'s
+    rule). Two middle stages with equal keys trace to the same graph up to parameter
+    names, so one trace serves both (``ranks.trace_rank``'s ``alike_stages``)."""
+    layers = piece.module.get_submodule(piece.stack)
+    evidence = tuple(alike_key({k: v for k, v in module_evidence(layer).items() if k not in numbered})
+                     for layer in layers)
+    return piece.boundary_shape, piece.boundary_dtype, evidence

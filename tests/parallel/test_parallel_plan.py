@@ -56,16 +56,17 @@ def test_a_rank_that_fits_under_no_setting_is_infeasible_with_its_least_need():
     assert e.value.least_feasible_peak_bytes == 5 * MIB
 
 
-def test_predictions_without_weights_equal_those_with_and_tp_alike_ranks_equal_their_own_traces():
-    """A transformers Llama (4 layers) at t = 2 x p = 2, m = 2: every rank's
+def test_predictions_without_weights_equal_those_with_and_alike_ranks_and_stages_equal_their_own_traces():
+    """A transformers Llama (4 layers) at t = 2 x p = 4, m = 4: every rank's
     predictions built on the meta device (fake tensors, DTensor shards of fakes) equal
     those with weights byte for byte, and giving the ranks of a tensor-parallel group
-    the predictions of its first rank equals tracing each one."""
+    the predictions of its first rank, and the middle stages 1 and 2 one trace
+    (``alike``), equals tracing each one."""
     pytest.importorskip("transformers")
     from remat_pass.models.configs import build_factory
     from remat_pass.parallel.hf_plans import rank_step_model
 
-    config = ParallelConfig(tp=2, pp=2, microbatches=2)
+    config = ParallelConfig(tp=2, pp=4, microbatches=4)
     settings = [("none", None), ("uniform", 1), ("block", 1)]
 
     def figures(preds):
@@ -77,4 +78,4 @@ def test_predictions_without_weights_equal_those_with_and_tp_alike_ranks_equal_t
     assert next(meta[0].parameters()).is_meta
     each = figures(predict_config(*real, config, settings))
     assert figures(predict_config(*meta, config, settings)) == each
-    assert figures(predict_config(*meta, config, settings, tp_alike=True)) == each
+    assert figures(predict_config(*meta, config, settings, alike=True)) == each
