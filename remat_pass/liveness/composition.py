@@ -24,7 +24,7 @@ waited, the gradient accumulator). It is a pure function of:
   per-graph liveness interval becomes one tensor (its first and last step mapped onto
   the graph's phases) and each tensor that crosses between phases carries the places
   where it is made and where it dies (a caller that has a phase's live bytes per step
-  rather than its intervals gives one tensor per step). ``ComposedStep.
+  rather than its intervals gives them as the phase's ``live``). ``ComposedStep.
   live_bytes_by_kind`` splits a step's live bytes by the caller's kinds.
 
 Sizes may be ints (bytes) or any values with ``+`` and ``-`` (``solvers.poly.Poly`` for
@@ -65,12 +65,19 @@ class Phase:
         steps: what runs at each step, in order (node names, generated-code lines). A
             phase with no step takes one slot in the timeline (named ``"(nothing)"``).
         layers: the layer of each step (None: outer), or empty when unknown.
+        live: bytes live at each slot besides the tensors (empty: none), counted under
+            kind ``live_kind`` and named by the slot's step: a caller that has the
+            phase's live bytes per step rather than its intervals (as one tensor per
+            step, without building them).
+        live_kind: the kind of ``live``.
     """
 
     graph: str
     kind: str
     steps: tuple[str, ...]
     layers: tuple[int | None, ...] = ()
+    live: tuple[Any, ...] = ()
+    live_kind: str = ""
 
     @property
     def num_slots(self) -> int:
@@ -156,10 +163,17 @@ class ComposedStep:
         return _place(self.phases, self.offsets, index)
 
     def live_at(self, index: int) -> list[SpanTensor]:
-        """The tensors live at global step ``index``, largest first (then by name)."""
-        return sorted((t for t in self.tensors if _global(self.offsets, t.start) <= index
-                       <= _global(self.offsets, t.end) and t.nbytes),
-                      key=lambda t: (-t.nbytes, t.graph, t.name))
+        """The tensors live at global step ``index``, largest first (then by name); a
+        phase's ``live`` bytes there as one tensor of that step."""
+        live = [t for t in self.tensors if _global(self.offsets, t.start) <= index <= _global(self.offsets, t.end)
+                and t.nbytes]
+        where = _place(self.phases, self.offsets, index)
+        phase = self.phases[where.phase]
+        j = index - self.offsets[where.phase]
+        if j < len(phase.live) and phase.live[j]:
+            live.append(SpanTensor(where.node, phase.graph, phase.live_kind, phase.live[j], Place(where.phase, j),
+                                   Place(where.phase, j), where.layer))
+        return sorted(live, key=lambda t: (-t.nbytes, t.graph, t.name))
 
     def live_bytes_by_kind(self, index: int) -> dict[str, int]:
         """Bytes of the tensors live at global step ``index``, summed by ``kind``."""
@@ -210,6 +224,9 @@ def step_intervals(phases: Sequence[Phase], tensors: Sequence[SpanTensor]) -> St
     for p in phases:
         if p.kind not in PHASE_KINDS:
             raise ValueError(f"phase of graph {p.graph!r} has kind {p.kind!r}; kinds are {PHASE_KINDS}")
+        if len(p.live) not in (0, p.num_slots):
+            raise ValueError(f"phase of graph {p.graph!r}: live has {len(p.live)} values, not one per slot "
+                             f"({p.num_slots}) or none")
     offsets = _offsets(phases)
     storages = []
     for t in tensors:
@@ -226,12 +243,17 @@ def step_intervals(phases: Sequence[Phase], tensors: Sequence[SpanTensor]) -> St
 
 def compose_timeline(phases: Sequence[Phase], tensors: Sequence[SpanTensor], zero: Any = 0) -> list[Any]:
     """Live size at every global step (``liveness.live_timeline`` over the composed
-    intervals); sizes may be polynomials (``zero=solvers.poly.Poly()``).
+    intervals, plus each phase's ``live``); sizes may be polynomials
+    (``zero=solvers.poly.Poly()``).
 
     Raises:
         ValueError: as ``step_intervals``.
     """
-    return live_timeline(step_intervals(phases, tensors), zero=zero)
+    out = live_timeline(step_intervals(phases, tensors), zero=zero)
+    for p, start in zip(phases, _offsets(phases)):
+        for j, b in enumerate(p.live):
+            out[start + j] = out[start + j] + b
+    return out
 
 
 def compose_step(phases: Sequence[Phase], tensors: Sequence[SpanTensor]) -> ComposedStep:

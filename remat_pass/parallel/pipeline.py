@@ -239,7 +239,8 @@ def rank_composition(profiles: dict[int, StageProfile], actions: Sequence[Action
                      ) -> tuple[list[Phase], list[SpanTensor], int]:
     """A rank's step as the phases and tensors of ``liveness.composition``: a phase per
     action (graph ``str(action)``; step 0 ``"recv"``, its receive, then the stage's
-    nodes) and the tensors of the kinds of the module docstring (bytes).
+    nodes, the microbatch's bytes at each as the phase's ``live``) and the tensors of
+    the kinds of the module docstring (bytes).
 
     Returns:
         ``(phases, tensors, in_flight)``, in_flight the most microbatches a local stage
@@ -250,8 +251,7 @@ def rank_composition(profiles: dict[int, StageProfile], actions: Sequence[Action
     n = len(actions)
     releases = list(releases) if releases is not None else [k + 1 for k in range(n)]
     held_last, in_flight = _held_until(profiles, actions)
-    phases = [Phase(str(a), "forward" if a.kind == "F" else "backward", ("recv",) + tuple(
-        profiles[a.stage].forward_nodes if a.kind == "F" else profiles[a.stage].backward_nodes)) for a in actions]
+    phases = [_action_phase(a, profiles[a.stage]) for a in actions]
     end = Place(n - 1, phases[-1].num_slots - 1) if actions else None
     first_backward = {a.stage: k for k, a in reversed(list(enumerate(actions))) if a.kind == "B"}
     tensors: list[SpanTensor] = []
@@ -296,19 +296,26 @@ def _held_until(profiles: dict[int, StageProfile], actions: Sequence[Action]) ->
     return last, in_flight
 
 
+def _action_phase(a: Action, prof: StageProfile) -> Phase:
+    """Action ``a``'s phase: its receive step, then the stage's nodes, whose microbatch
+    bytes per step are the phase's ``live`` (kind ``"microbatch"``)."""
+    if a.kind == "F":
+        return Phase(str(a), "forward", ("recv",) + tuple(prof.forward_nodes), live=(0, *prof.forward_bytes),
+                     live_kind="microbatch")
+    return Phase(str(a), "backward", ("recv",) + tuple(prof.backward_nodes), live=(0, *prof.backward_bytes),
+                 live_kind="microbatch")
+
+
 def _action_tensors(k: int, a: Action, prof: StageProfile) -> list[SpanTensor]:
-    """What action ``k`` holds in its own phase: its microbatch's timeline, and the
-    receive buffers it reads to their last use (``rank_composition``)."""
+    """What action ``k`` holds in its own phase besides its microbatch's per-step bytes
+    (``_action_phase``): the receive buffers it reads to their last use, and in a
+    backward what the microbatch held since its forward (``rank_composition``)."""
     label, n_fw, n_bw = str(a), len(prof.forward_bytes), len(prof.backward_bytes)
     if a.kind == "F":
         last = 1 + min(prof.in_last_step, n_fw - 1) if prof.in_last_step >= 0 else 0
-        return [SpanTensor("received activation", label, "received", prof.in_bytes, Place(k, 0), Place(k, last))] + [
-            SpanTensor(prof.forward_nodes[i], label, "microbatch", b, Place(k, i + 1), Place(k, i + 1))
-            for i, b in enumerate(prof.forward_bytes)]
+        return [SpanTensor("received activation", label, "received", prof.in_bytes, Place(k, 0), Place(k, last))]
     out = [SpanTensor("held since forward", label, "microbatch", prof.saved_bytes + prof.in_held_bytes,
                       Place(k, 0), Place(k, 0))]
-    out += [SpanTensor(prof.backward_nodes[i], label, "microbatch", b, Place(k, i + 1), Place(k, i + 1))
-            for i, b in enumerate(prof.backward_bytes)]
     if prof.in_last_step >= n_fw and n_bw:
         out.append(SpanTensor("received activation", label, "received", prof.in_bytes, Place(k, 1),
                               Place(k, 1 + min(prof.in_last_step - n_fw, n_bw - 1))))

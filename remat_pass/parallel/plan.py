@@ -68,6 +68,7 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
     """
     out: list[list[RankPrediction]] = []
     alike_stages: dict[Any, Any] | None = {} if alike else None
+    profile_cache: dict[Any, Any] | None = {} if alike else None
     for rank in range(config.world_size):
         if alike and config.coords(rank)[1] > 0:
             out.append([dataclasses.replace(p, rank=rank) for p in out[rank - config.coords(rank)[1]]])
@@ -75,7 +76,7 @@ def predict_config(model: nn.Module, inputs: Any, config: ParallelConfig,
         with fake_process_group(rank, config.world_size):
             graphs = trace_rank(model, inputs, config, rank, alike_stages)
         todo = list(settings) if settings is not None else stage_schedules(graphs[0].stack.num_layers)
-        out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator, threads)
+        out.append([predict_rank(graphs, config, rank, m, k, allocator, grad_accumulator, threads, profile_cache)
                     for m, k in todo])
     return out
 

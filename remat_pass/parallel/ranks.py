@@ -379,10 +379,16 @@ def stage_schedule(method: str, recompute_num_layers: int | None, num_layers: in
 
 def predict_rank(stage_graphs: list[StageGraph], config: ParallelConfig, rank: int, method: str,
                  recompute_num_layers: int | None = None, allocator: str = "cpu",
-                 grad_accumulator: str = "in_step", threads: int | None = None) -> RankPrediction:
+                 grad_accumulator: str = "in_step", threads: int | None = None,
+                 profile_cache: dict[Any, tuple[JointGraph, StageProfile, int]] | None = None) -> RankPrediction:
     """Rewrite each of the rank's stages under the schedule and compose its peak.
 
     ``threads``: the rank's intra-op threads (``stage_profile``); None: this process's.
+    ``profile_cache``: None, or a dict shared by the calls of one prediction: a stage
+    whose joint graph (the same object: ``trace_rank``'s ``alike_stages``), position
+    and setting are in it takes that StageProfile (renumbered) and recompute FLOPs
+    instead of being rewritten again (the cache holds the joint graph, so its ``id``
+    is not reused while the cache lives); the composition is still the rank's own.
 
     Raises:
         InvalidSchedule: K / N outside the stage's layers.
@@ -393,10 +399,20 @@ def predict_rank(stage_graphs: list[StageGraph], config: ParallelConfig, rank: i
     for sg in stage_graphs:
         sched = stage_schedule(method, recompute_num_layers, sg.stack.num_layers)
         provenance = sched.provenance
+        key = (id(sg.joint), sg.first, sg.last, method, recompute_num_layers, allocator, threads)
+        if profile_cache is not None and key in profile_cache:
+            _, profile, stage_flops = profile_cache[key]
+            profiles[sg.stage] = dataclasses.replace(profile, stage=sg.stage)
+            flops += stage_flops
+            continue
         step = rewrite(sg.joint, sg.stack, sched)
         profiles[sg.stage] = stage_profile(step, sg.joint.primal_kinds, sg.stage, sg.first, sg.last, allocator,
-                                       threads)
-        flops += sum(int(node_flops(n)) for n in step.backward.graph.nodes if step.kind_of.get(n.name) == "recompute")
+                                           threads)
+        stage_flops = sum(int(node_flops(n)) for n in step.backward.graph.nodes
+                          if step.kind_of.get(n.name) == "recompute")
+        flops += stage_flops
+        if profile_cache is not None:
+            profile_cache[key] = (sg.joint, profiles[sg.stage], stage_flops)
     peak = compose(profiles, config.actions(rank), config.releases(rank), grad_accumulator)
     static = sum(p.static_bytes for p in profiles.values())
     return RankPrediction(rank, tuple(profiles), provenance, peak, static, profiles, flops * config.microbatches)

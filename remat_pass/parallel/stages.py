@@ -144,9 +144,12 @@ def _checked_stages(model: nn.Module, microbatch: tuple[torch.Tensor, ...], stag
     ``embedding_multiplier`` applied to ``inputs_embeds``, is refused; a model on
     the meta device is not run: its class's split is the one checked with weights);
     the StageModules of ``stages``."""
-    pieces = [model.split_stage(s, r, len(ranges)) for s, r in enumerate(ranges)]
-    if next(model.parameters()).device.type != "meta":  # without weights: the class's split, checked with weights
-        _check_chained(model, pieces, microbatch, ranges, path)
+    meta = next(model.parameters()).device.type == "meta"
+    # without weights only the stages wanted are split: the class's split is the one checked with weights
+    wanted = stages if meta else range(len(ranges))
+    pieces = {s: model.split_stage(s, ranges[s], len(ranges)) for s in wanted}
+    if not meta:
+        _check_chained(model, [pieces[s] for s in wanted], microbatch, ranges, path)
     hidden = getattr(getattr(model, "lm", model), "config").hidden_size
     dtype = next(model.parameters()).dtype
     shape = (*microbatch[0].shape[:2], hidden)
