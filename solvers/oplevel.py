@@ -368,7 +368,12 @@ def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None,
     answer stopped by them carrying its proven gap); the next cap is one byte below its
     saved bytes, and an answer of the same cost with fewer bytes replaces the previous
     point, so every point ends at the least bytes of its cost (the epsilon-constraint
-    method, Haimes et al. 1971). When ``limits.front_time_s`` is spent the enumeration
+    method, Haimes et al. 1971). HiGHS honours a cap within its relative feasibility
+    tolerance (about 1e-7: a layer of gigabytes may come back a byte over a cap one
+    byte below the last point, the same point again); an answer over the cap by its
+    exact bytes is solved again at a cap lowered by twice the excess, doubling, so each
+    program that is kept lowers the cap (decisions within that margin of a cap can be
+    missed). When ``limits.front_time_s`` is spent the enumeration
     stops and the least-bytes decision is solved once, so the front still reaches the
     layer's least saved bytes (``LayerFront.complete`` False). The figures of each point
     are recomputed with ``evaluate`` from the recomputed units (exact integers), and each
@@ -382,22 +387,25 @@ def solve_layer_front(g: LayerGraph, limits: SolveLimits | None = None,
     prog = _Program(g)
     found: list[LayerDecision] = []
     gap, programs, complete = 0, 0, True
-    cap = float(prog.bytes.sum()) + 1
-    while cap >= 0:
+    cap, shave = float(prog.bytes.sum()) + 1, 0.0
+    while cap - shave >= 0:
         now = time.perf_counter()
         left = min(limits.front_time_s - (now - t0), np.inf if deadline is None else deadline - now)
         if left <= 0 and found:
             complete = False
             break
-        answer = prog.solve(prog.cost, [(prog.bytes, cap)], limits, left if found else np.inf)
+        answer = prog.solve(prog.cost, [(prog.bytes, cap - shave)], limits, left if found else np.inf)
         programs += 1
         if answer is None:  # proven infeasible: no decision saves fewer bytes
             break
         if answer.x is None:  # stopped by the time limit before any decision was found
             complete = False
             break
-        gap = max(gap, answer.gap)
         d = _least_needed(g, prog.decision(answer.x))
+        if d.saved_bytes > cap:  # within HiGHS's relative feasibility tolerance, not the cap
+            shave = max(2 * shave, 2.0 * (d.saved_bytes - cap))
+            continue
+        gap, shave = max(gap, answer.gap), 0.0
         if found and d.recompute_cost == found[-1].recompute_cost:
             found[-1] = d  # the same cost with fewer bytes: the earlier point was not minimal
         else:
