@@ -19,11 +19,12 @@ from ..models.configs import ModelSpec, build_factory, build_from_config, check_
 from ..errors import InfeasibleBudget
 from ..formatting import fmt_bytes, mib, parse_bytes, text_table
 from ..plan.op_planner import CostModel, OpPlanner
+from ..plan.op_reuse import OpDecision, ReusedOpPlanner
 from ..plan.planner import max_batch_rows
 from ..graph.regions import LayerStack
 from ..report.plan_report import op_plan_json, op_plan_text, plan_json, plan_text, symbolic_model_text
 from ..report.documents import write_document
-from ..evaluate.schedule_result import ScheduleResult
+from ..evaluate.schedule_result import ScheduleResult, predicted_result
 from ..liveness.symbolic import default_symbols, trace_symbolic
 from ..evaluate.workload import DEFAULT_MODEL, Workload
 
@@ -161,10 +162,17 @@ def _plan_outcome(result: ScheduleResult, budget: int, provenance: str, predicte
 def _plan_op(args: argparse.Namespace, w: Workload, budget: int) -> int:
     """``plan --granularity op``: the op-level optimum under the budget, measured when
     the step can run."""
-    session = whole_session(w, "plan --granularity op")
     t0 = time.perf_counter()
-    planner = OpPlanner(session.joint, session.stack, w.report,
-                        CostModel(args.flops_per_byte, timed=args.timed_costs))
+    cost_model = CostModel(args.flops_per_byte, timed=args.timed_costs)
+    planner: OpPlanner | ReusedOpPlanner
+    if w.session is None and w.reuse is not None:
+        if args.timed_costs:
+            raise ValueError("--timed-costs runs every forward op, and this step has no weights to run it on; "
+                             "use the roofline cost (--flops-per-byte)")
+        planner = ReusedOpPlanner(w.reuse, cost_model)
+    else:
+        session = whole_session(w, "plan --granularity op")
+        planner = OpPlanner(session.joint, session.stack, w.report, cost_model)
     try:
         plan = planner.plan(budget)
     except InfeasibleBudget as e:
@@ -174,7 +182,12 @@ def _plan_op(args: argparse.Namespace, w: Workload, budget: int) -> int:
                 "least_feasible_peak_bytes": e.least_feasible_peak_bytes,
                 "unconstrained_peak_bytes": planner.unconstrained_peak_bytes})
         raise
-    result = w.result(plan.partition)
+    if isinstance(plan.partition, OpDecision):  # analysed from a template: predicted only
+        none_peak = w.report(schedules.none(w.layers_per_stack)).peak_bytes
+        result = predicted_result(plan.partition, planner.report(plan.partition), none_peak,
+                                  plan.solve_time_s, w.static)
+    else:
+        result = w.result(plan.partition)
     calibration_note(w)
     print(op_plan_text(plan, result, planner, time.perf_counter() - t0))
     if args.json:

@@ -50,7 +50,7 @@ from ..graph.costs import tensor_val
 from ..errors import UnsupportedGraph
 from .intervals import Intervals, Storage, storage_bytes
 from .layer_roles import block_order, block_type, requirements, roles_of, template_role_strings
-from .layer_template import BlockType, Template
+from .layer_template import BlockType, OpNames, Template
 from .timeline import LiveTensor, MemoryReport, TimelineStep, bytes_by_layer, live_timeline
 from ..graph.regions import LayerStack
 from ..recompute.schedule import Schedule
@@ -90,16 +90,20 @@ class ReusedLayers:
         stack: its layer stack.
         num_layers: L, the layers of the model to analyse.
         allocator: ``"cpu"`` or ``"cuda"`` (as ``liveness.analyze``).
+        op_names: for op-level plans, the template's node names the k-th trade-off
+            point recomputes in a layer (``layer_template.OpNames``; roles ``S<k>``).
 
     Raises:
         UnsupportedGraph: the template has fewer than 3 layers, its layers differ, or its
             rewritten steps break an assumption of the module docstring.
     """
 
-    def __init__(self, template: JointGraph, stack: LayerStack, num_layers: int, allocator: str = "cpu"):
+    def __init__(self, template: JointGraph, stack: LayerStack, num_layers: int, allocator: str = "cpu",
+                 op_names: OpNames | None = None):
         if stack.num_layers < 3:
             raise UnsupportedGraph(f"a template needs 3 or more layers, this one has {stack.num_layers}")
         self.template, self.stack, self.num_layers, self.allocator = template, stack, num_layers, allocator
+        self.op_names = op_names
         self.block_types: dict[Any, BlockType] = {}
         self.layer_reads: dict[tuple, dict[tuple, dict[Any, int]]] = {}
         self.outer_reads: dict[tuple, dict[tuple, dict[Any, int]]] = {}
@@ -127,7 +131,7 @@ class ReusedLayers:
         roles = tuple(roles)
         if roles in self.templates:
             return self.templates[roles]
-        t = Template(self.template, self.stack, roles, self.allocator)
+        t = Template(self.template, self.stack, roles, self.allocator, self.op_names)
         owned = t.owned()
         for block in t.blocks:
             btype = block_type(block, roles)
@@ -164,15 +168,18 @@ class ReusedLayers:
 
     # ------------------------------------------------------------ assembly
 
-    def layout(self, schedule: Schedule) -> Layout:
-        """The blocks of the L-layer rewritten step of ``schedule``, in run order.
+    def layout(self, schedule: Schedule, options: Sequence[int] = ()) -> Layout:
+        """The blocks of the L-layer rewritten step of ``schedule``, in run order; with
+        op-level ``options`` (per layer, k > 0: the stored layer recomputes the k-th
+        trade-off point, needs ``op_names``).
 
         Raises:
-            ValueError: ``schedule`` is for another number of layers.
+            ValueError: ``schedule`` is for another number of layers, or ``options`` are
+                not one per layer of a stored layer (``layer_roles.roles_of``).
         """
         if schedule.num_layers != self.num_layers:
             raise ValueError(f"{schedule.provenance} is for L={schedule.num_layers}, not {self.num_layers}")
-        roles = roles_of(schedule)
+        roles = roles_of(schedule, options)
         self.ensure(roles)
         order, start, steps, block_of_step = [], {}, [], []
         nf = 0
@@ -188,15 +195,16 @@ class ReusedLayers:
                 nf = len(steps)
         return Layout(roles, order, start, steps, nf, block_of_step)
 
-    def intervals(self, schedule: Schedule) -> tuple[Intervals, Layout]:
+    def intervals(self, schedule: Schedule, options: Sequence[int] = ()) -> tuple[Intervals, Layout]:
         """The L-layer step's storages and their live intervals (as
-        ``intervals.live_intervals`` would give for the full rewrite), and its layout.
+        ``intervals.live_intervals`` would give for the full rewrite), and its layout
+        (``options`` as ``layout``).
 
         Raises:
             UnsupportedGraph: a read the templates did not cover (a bug: ``ensure`` makes
                 them cover every context of ``schedule``).
         """
-        lay = self.layout(schedule)
+        lay = self.layout(schedule, options)
         roles, start, L = lay.roles, lay.start, len(lay.roles)
         end, nf = len(lay.steps) - 1, lay.num_forward_steps
         storages: list[Storage] = []
@@ -247,7 +255,7 @@ class ReusedLayers:
                 if nxt is not None:
                     reads += [((k, 1, p), o) for (k, p), o in self._lookup(entry, ("next", nxt), btype).items()]
                 to_end = self.to_end[(btype, ordinal)]
-                plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, btype, is_scratch, to_end), to_end,
+                plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, btype, is_scratch, to_end, off), to_end,
                              tuple(reads)))
             self._plans[key] = plan
         return self._plans[key]
@@ -267,7 +275,7 @@ class ReusedLayers:
                     per_layer[ctx] = self._lookup(entry, ctx, name)
                 reads += [((k, j, p), o) for (k, p), o in per_layer[ctx].items()]
             to_end = self.to_end[(name, ordinal)]
-            plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, name, is_scratch, to_end), to_end,
+            plan.append((off, nbytes, bt.nodes[off].name, self._label(bt, name, is_scratch, to_end, off), to_end,
                          tuple(reads)))
         return plan
 
@@ -278,26 +286,30 @@ class ReusedLayers:
         return entry[ctx]
 
     @staticmethod
-    def _label(bt: BlockType, btype: Any, is_scratch: bool, to_end: bool) -> str | None:
-        """The storage's kind as ``liveness`` names it; None for a forward storage, which
-        is "saved" when backward reads it and "forward" otherwise."""
+    def _label(bt: BlockType, btype: Any, is_scratch: bool, to_end: bool, off: int) -> str | None:
+        """The kind of the storage step ``off`` of ``bt`` allocates, as ``liveness`` names
+        it; None for a forward storage, which is "saved" when backward reads it and
+        "forward" otherwise."""
         if is_scratch:
             return "scratch"
         if to_end:
             return "output" if bt.phase == "forward" else "gradient"
         if bt.phase == "forward":
             return None
-        return "recompute" if not isinstance(btype, str) and btype[0] == "recompute" else "backward"
+        recomputed = not isinstance(btype, str) and btype[0] == "recompute" or bt.nodes[off] in bt.recomputed
+        return "recompute" if recomputed else "backward"
 
     # ------------------------------------------------------------ results
 
-    def report(self, schedule: Schedule, with_timeline: bool = False) -> MemoryReport:
+    def report(self, schedule: Schedule, with_timeline: bool = False, options: Sequence[int] = (),
+               provenance: str | None = None) -> MemoryReport:
         """The MemoryReport of ``schedule`` on the L-layer stack, equal to
         ``liveness.analyze`` of its full rewrite (``timeline`` is empty unless
-        ``with_timeline``: 10^4 steps per report add up over a sweep). Node names are
-        the template's, with the L-layer layer index.
+        ``with_timeline``: 10^4 steps per report add up over a sweep); with op-level
+        ``options`` (``layout``), of the op-level partition they make, named
+        ``provenance``. Node names are the template's, with the L-layer layer index.
         """
-        iv, lay = self.intervals(schedule)
+        iv, lay = self.intervals(schedule, options)
         live = live_timeline(iv)
         nf = lay.num_forward_steps
         peak_step = max(range(len(live)), key=lambda i: (live[i], -i)) if live else 0
@@ -319,8 +331,10 @@ class ReusedLayers:
                 fw_flops += bt.flops
             elif not isinstance(b, str) and b[0] == "recompute":
                 rc_flops += bt.flops
+            else:
+                rc_flops += bt.recompute_flops
         return MemoryReport(
-            schedule=schedule.provenance, allocator=self.allocator, peak_bytes=live[peak_step] if live else 0,
+            schedule=provenance or schedule.provenance, allocator=self.allocator, peak_bytes=live[peak_step] if live else 0,
             peak_step=peak_step, peak_phase="forward" if peak_step < nf else "backward",
             peak_node=lay.steps[peak_step].name if live else "", peak_layer=peak_layer,
             live_at_peak=tuple(at_peak), live_at_peak_by_layer=bytes_by_layer(at_peak),
@@ -328,10 +342,10 @@ class ReusedLayers:
             static_bytes=self.static_bytes(), timeline=timeline,
             forward_flops=fw_flops, recompute_flops=rc_flops)
 
-    def profile(self, schedule: Schedule) -> SymbolicStep:
+    def profile(self, schedule: Schedule, options: Sequence[int] = ()) -> SymbolicStep:
         """``symbolic.profile_step`` of the L-layer step (constant polynomials), for the
-        chain model of ``ReusedLayersModel``."""
-        iv, lay = self.intervals(schedule)
+        chain model of ``ReusedLayersModel`` (``options`` as ``layout``)."""
+        iv, lay = self.intervals(schedule, options)
         live = live_timeline(iv)
         nf = lay.num_forward_steps
         saved: dict[int | None, Poly] = {}
@@ -342,9 +356,11 @@ class ReusedLayers:
         rc: dict[int | None, Poly] = {}
         for b in lay.order:
             bt = self.block_types[block_type(b, lay.roles)]
-            target = fw if bt.phase == "forward" else rc if not isinstance(b, str) and b[0] == "recompute" else None
-            if target is not None and bt.flops:
-                target[_layer(b)] = target.get(_layer(b), Poly()) + Poly.constant(bt.flops, 0)
+            is_rc = not isinstance(b, str) and b[0] == "recompute"
+            target = fw if bt.phase == "forward" else rc if is_rc or bt.recompute_flops else None
+            flops = bt.flops if bt.phase == "forward" or is_rc else bt.recompute_flops
+            if target is not None and flops:
+                target[_layer(b)] = target.get(_layer(b), Poly()) + Poly.constant(flops, 0)
         kinds = ["forward" if i < nf else ("recompute" if not isinstance(b, str) and b[0] == "recompute"
                                            else "backward") for i, b in enumerate(lay.block_of_step)]
         return SymbolicStep(

@@ -7,7 +7,7 @@ live intervals (``layer_reuse`` merges what several templates show).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch.fx as fx
 
@@ -15,22 +15,27 @@ from ..graph.costs import node_flops
 from ..graph.layer_alike import alike, block_evidence
 from ..errors import UnsupportedGraph
 from .intervals import memory_intervals
-from .layer_roles import block_order, schedule_of_roles
+from .layer_roles import block_order, op_option, schedule_of_roles
 from ..memory.memory_model import MemoryModel
 from ..graph.regions import LayerStack
+from ..recompute.partition import OpLevelChoice, op_level_partition
 from ..recompute.rewrite import rewrite
 from ..graph.trace import JointGraph
 
 
 @dataclasses.dataclass
 class BlockType:
-    """One kind of block: its steps (template nodes), FLOPs, and the storages it
+    """One kind of block: its steps (template nodes), FLOPs, its recomputed nodes
+    (``recomputed``, their FLOPs ``recompute_flops``: a recompute block's, or the
+    just-in-time recomputes in an ``S<k>`` layer's backward), and the storages it
     allocates, as ``(offset, bytes, is scratch)`` in a fixed order."""
 
     phase: str
     nodes: list[fx.Node]
     flops: int
     storages: list[tuple[int, Any, bool]]
+    recompute_flops: int = 0
+    recomputed: tuple[fx.Node, ...] = ()
 
     def matches(self, other: "BlockType") -> bool:
         """Whether ``other`` runs the same ops and allocates the same storages: the one
@@ -38,12 +43,32 @@ class BlockType:
         return alike(block_evidence(self.nodes, self.storages), block_evidence(other.nodes, other.storages))
 
 
-class Template:
-    """One rewrite of the template, cut into blocks, with every storage's reads."""
+OpNames = Callable[[int, int], frozenset[str]]
+"""``op_names(layer, k)``: the template's node names the k-th trade-off point recomputes
+in that layer (an ``S<k>`` role)."""
 
-    def __init__(self, joint: JointGraph, stack: LayerStack, roles: tuple[str, ...], allocator: str):
+
+class Template:
+    """One rewrite of the template, cut into blocks, with every storage's reads.
+
+    Raises:
+        UnsupportedGraph: an op-level role without ``op_names``, or the rewrite breaks an
+            assumption of ``layer_reuse`` (blocks out of order or in pieces).
+    """
+
+    def __init__(self, joint: JointGraph, stack: LayerStack, roles: tuple[str, ...], allocator: str,
+                 op_names: OpNames | None = None):
         self.roles = roles
-        self.step = rewrite(joint, stack, schedule_of_roles(roles))
+        schedule = schedule_of_roles(roles)
+        ops = {j: op_option(r) for j, r in enumerate(roles) if op_option(r)}
+        if ops and op_names is None:
+            raise UnsupportedGraph(f"roles {roles} have op-level options but no op_names to build them")
+        if ops:
+            names = frozenset().union(*(op_names(j, k) for j, k in ops.items()))
+            self.step = rewrite(joint, stack, op_level_partition(joint, stack, OpLevelChoice("op_optimal", names),
+                                                                 schedule if schedule.groups else None))
+        else:
+            self.step = rewrite(joint, stack, schedule)
         # the formula table of op scratch, as ``analyze`` counts a step without weights
         self.iv = memory_intervals(self.step, MemoryModel.table_only(allocator))[0]
         self.nf = len(self.iv.fw_steps)
@@ -72,6 +97,8 @@ class Template:
             else:
                 seen_layer[phase] = True
                 kind = step.kind_of.get(n.name, "forward")
+                if kind == "recompute" and op_option(self.roles[layer]):
+                    kind = "backward"  # just in time, inside the S<k> layer's own backward
                 if kind == "recompute":
                     recomputed.add(layer)
                 block = (kind, layer, 1 if kind == "backward" and layer in recomputed else 0)
@@ -136,10 +163,12 @@ class Template:
     def block_type(self, block: Any, sids: list[int]) -> BlockType:
         """The BlockType of ``block``, which allocates the storages ``sids`` (``owned``)."""
         idx, iv = self.blocks[block], self.iv
+        recomputed = tuple(iv.steps[i] for i in idx if self.step.kind_of.get(iv.steps[i].name) == "recompute")
         return BlockType(self.step_phase(idx[0]), [iv.steps[i] for i in idx],
                          sum(int(node_flops(iv.steps[i])) for i in idx),
                          [(self.offset_of_step[iv.storages[s].first], iv.storages[s].nbytes,
-                           iv.storages[s].kind == "scratch") for s in sids])
+                           iv.storages[s].kind == "scratch") for s in sids],
+                         sum(int(node_flops(n)) for n in recomputed), recomputed)
 
     def storage_reads(self, block: Any, sid: int) -> dict[tuple, dict[Any, int]]:
         """The reads of storage ``sid``, allocated by ``block``, by context: for each

@@ -218,3 +218,16 @@ def _stack_starts(model: SymbolicModel) -> list[int]:
 def _last_layers(model: SymbolicModel) -> set[int]:
     """The last layer of every stack."""
     return {first + n - 1 for first, n in zip(_stack_starts(model), model.layers_per_stack)}
+
+
+def layer_terms(prof: SymbolicStep, num_layers: int) -> tuple[dict, dict, dict]:
+    """Per layer of a profiled step (``symbolic.SymbolicStep``): its saved bytes and
+    its forward and backward peaks above the bytes saved by the layers below (bytes),
+    the terms ``chain_calibration`` reads off for stored layers."""
+    fw, bw, _, _ = regions(prof)
+    L = num_layers
+    saved = {i: max_value([prof.saved_by_layer[i]], []) if i in prof.saved_by_layer else 0 for i in range(L)}
+    below = {i: sum(saved[k] for k in range(i)) for i in range(L)}
+    fw_above = {i: max_value(fw.get(i, []), []) - below[i] for i in range(L)}
+    bw_above = {i: max_value(bw.get(i, []), []) - below[i] for i in range(L)}
+    return saved, fw_above, bw_above

@@ -49,7 +49,6 @@ from solvers.resolve import lowest_front
 from solvers.front_pool import solve_layer_fronts
 from solvers.oplevel import (External, LayerDecision, LayerFront, LayerGraph, SolveLimits, Unit, Value,
                              spread_order)
-from solvers.poly import max_value
 
 from ..recompute import schedule as schedules
 from ..graph.layer_alike import alike_key, node_evidence
@@ -62,7 +61,7 @@ from ..graph.regions import LayerStack
 from ..recompute.rewrite import rewrite
 from ..liveness.symbolic import SymbolicModel, profile_step
 from ..liveness.symbolic_sizes import SizeConverter
-from .chain_calibration import chain_costs, regions
+from .chain_calibration import chain_costs, layer_terms
 from .planner import ChainAnswer, ChainPlanner
 from ..graph.trace import JointGraph
 
@@ -270,7 +269,8 @@ class OpPlan:
     Attributes:
         budget_bytes: the peak budget asked for.
         partition: the chosen Partition (``policy`` ``op_optimal``; its schedule holds
-            the whole-layer groups).
+            the whole-layer groups), or for a stack analysed from a template
+            (``op_reuse``) its ``OpDecision`` (groups and options, no node names).
         options: per layer, the chain option chosen (0: every value saved; k: the k-th
             point of its kind's trade-off); empty when all 0.
         model_peak_bytes: the chain model's peak of the choice.
@@ -289,7 +289,7 @@ class OpPlan:
     """
 
     budget_bytes: int
-    partition: Partition
+    partition: Any
     options: tuple[int, ...]
     model_peak_bytes: int
     predicted_peak_bytes: int
@@ -326,6 +326,7 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         allocator: ``cpu`` or ``cuda`` sizes for the layer programs.
         limits: the time bounds of each kind's integer programs and front
             (``solvers.oplevel.SolveLimits``; default its defaults).
+        calibrate_layers: the layers whose terms calibrate the points (None: all).
 
     Attributes:
         kinds: the layer kinds; fronts: each kind's trade-off points;
@@ -337,8 +338,10 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
     """
 
     def __init__(self, joint: JointGraph, stack: LayerStack, predict: Callable[[Partition], MemoryReport],
-                 cost_model: CostModel = CostModel(), allocator: str = "cpu", limits: SolveLimits | None = None):
+                 cost_model: CostModel = CostModel(), allocator: str = "cpu", limits: SolveLimits | None = None,
+                 calibrate_layers: frozenset[int] | None = None):
         t0 = time.perf_counter()
+        self.calibrate_layers = calibrate_layers
         self.joint, self.stack, self.cost_model = joint, stack, cost_model
         timed = time_forward_ops(joint, stack) if cost_model.timed else None
         self.cost_of: Callable[[fx.Node], int] = (
@@ -366,18 +369,12 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         """Per layer: saved bytes, forward and backward peaks above the bytes saved by
         the layers below, and recompute cost, of the step rewritten by ``decision``."""
         step = rewrite(self.model.joint, self.stack, decision)
-        prof = profile_step(step, self._conv)
-        fw, bw, _, _ = regions(prof)
         L = self.stack.num_layers
-        saved = {i: max_value([prof.saved_by_layer[i]], []) if i in prof.saved_by_layer else 0 for i in range(L)}
-        below = {i: sum(saved[k] for k in range(i)) for i in range(L)}
         cost = {i: 0 for i in range(L)}
         for n in step.backward.graph.nodes:
             if step.kind_of.get(n.name) == "recompute" and step.layer_of.get(n.name) is not None:
                 cost[step.layer_of[n.name]] += self.cost_of(n)
-        fw_above = {i: max_value(fw.get(i, []), []) - below[i] for i in range(L)}
-        bw_above = {i: max_value(bw.get(i, []), []) - below[i] for i in range(L)}
-        return saved, fw_above, bw_above, cost
+        return (*layer_terms(profile_step(step, self._conv), L), cost)
 
     def _chain_costs(self) -> ChainCosts:
         """``chain_calibration.chain_costs`` with group costs in the cost model's unit and
@@ -389,7 +386,8 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         profile r, the kind's j-th layer takes the ``r * m + j``-th point of
         ``solvers.oplevel.spread_order`` (m layers; past the end it wraps around), and
         each point's change from storing the layer whole (``none``) is added to every
-        layer's own ``none`` terms. Past ``limits.calibrate_time_s`` the profiles stop
+        layer's own ``none`` terms. With ``calibrate_layers`` only those layers take
+        points (the others stay stored): a template's interior layers (``op_reuse``). Past ``limits.calibrate_time_s`` the profiles stop
         and the points not calibrated are left out of ``fronts`` (``calibrated_points``).
         """
         L, per_stack = self.stack.num_layers, self.stack.layers_per_stack
@@ -398,7 +396,9 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
         member = self._step_costs(schedules.uniform(max(per_stack), per_stack))[3]
         stored = self._step_costs(schedules.none(per_stack))
         change: list[dict[int, tuple[int, int, int, int]]] = [{} for _ in self.kinds]
-        rounds = max(-(-len(f) // len(k.layers)) for k, f in zip(self.kinds, self.fronts) if f) if any(self.fronts) else 0
+        measured = [tuple(i for i in k.layers if self.calibrate_layers is None or i in self.calibrate_layers) or k.layers
+                    for k in self.kinds]
+        rounds = max(-(-len(f) // len(m)) for m, f in zip(measured, self.fronts) if f) if any(self.fronts) else 0
         order = [spread_order(len(f)) for f in self.fronts]
         t0 = time.perf_counter()
         for r in range(rounds):
@@ -407,15 +407,16 @@ class OpPlanner(ChainPlanner[Partition, OpPlan]):
             names: set[str] = set()
             point_of: dict[int, int] = {}
             for ki, (kind, front) in enumerate(zip(self.kinds, self.fronts)):
-                for j, layer in enumerate(kind.layers):
+                for j, layer in enumerate(measured[ki]):
                     if front:
-                        point_of[layer] = order[ki][(r * len(kind.layers) + j) % len(front)]
+                        point_of[layer] = order[ki][(r * len(measured[ki]) + j) % len(front)]
                         names |= kind.recomputable_in(layer, front[point_of[layer]])
             terms = self._step_costs(op_level_partition(
                 self.model.joint, self.stack, OpLevelChoice(POLICY, frozenset(names))))
             for layer, t in point_of.items():
                 change[self.kind_of[layer]].setdefault(t, tuple(terms[f][layer] - stored[f][layer] for f in range(4)))
         kept = [sorted(c) for c in change]
+        self.option_change = [[c[t] for t in k] for c, k in zip(change, kept)]
         self.calibrated_points = [(len(k), len(f)) for k, f in zip(kept, self.fronts)]
         self.fronts = [[front[t] for t in k] for k, front in zip(kept, self.fronts)]
         options = []

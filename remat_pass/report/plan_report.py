@@ -13,6 +13,7 @@ from ..recompute import schedule as schedules
 from ..recompute.schedule import Schedule, megatron_equivalent, megatron_flags
 from ..formatting import fmt_bytes, fmt_flops
 from ..plan.op_planner import OpPlan, OpPlanner
+from ..plan.op_reuse import OpDecision, ReusedOpPlanner
 from ..plan.chain_calibration import closed_forms as chain_closed_forms
 from ..plan.planner import Plan
 from .schedule_report import op_scratch_text
@@ -181,13 +182,14 @@ def plan_json(plan: Plan, result: ScheduleResult) -> dict[str, Any]:
     }
 
 
-def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total_s: float) -> str:
+def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner | ReusedOpPlanner, total_s: float) -> str:
     """What ``remat-pass plan --granularity op`` prints: the groups and each stored
     layer's trade-off point, predicted and measured peak against the budget, recompute
     FLOPs and bytes moved, gradients, and the solver's figures."""
     p, b = plan, plan.budget_bytes
     measured = result.measured_peak_bytes
-    L = planner.stack.num_layers
+    from_template = isinstance(p.partition, OpDecision)
+    L = p.partition.num_layers if from_template else planner.stack.num_layers
     options = p.options or (0,) * L
     inside = {i for g in p.groups for i in g}
     per_layer = " ".join("G" if i in inside else str(options[i]) for i in range(L))
@@ -197,7 +199,9 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
         f"partition          {p.partition.provenance}",
         f"  groups           {' '.join(str(list(g)) for g in p.groups) or 'none'}",
         f"  per layer        {per_layer}  (G: in a group; k: k-th point of the layer's trade-off, 0: all saved)",
-        f"  saved values     {p.saved_nodes}; recomputed nodes {p.recomputed_nodes}",
+        (f"  saved values     {p.saved_nodes}; recomputed nodes {p.recomputed_nodes}" if not from_template else
+         f"  saved storages   {p.saved_nodes}; recomputed steps {p.recomputed_nodes} (the {L}-layer step "
+         f"assembled from a {planner.stack.num_layers}-layer template: --trace-all-layers names the nodes)"),
         f"predicted peak     {p.predicted_peak_bytes} bytes ({fmt_bytes(p.predicted_peak_bytes)}); "
         f"chain model {p.model_peak_bytes}",
         (f"measured peak      {measured} bytes ({fmt_bytes(measured)}), {100 * (measured - b) / b:+.2f} % vs budget"
@@ -221,6 +225,7 @@ def op_plan_text(plan: OpPlan, result: ScheduleResult, planner: OpPlanner, total
 def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
     """The ``remat-pass plan --granularity op --json`` document."""
     p = plan
+    from_template = isinstance(p.partition, OpDecision)
     return {
         "budget_bytes": p.budget_bytes,
         "granularity": "op",
@@ -229,8 +234,9 @@ def op_plan_json(plan: OpPlan, result: ScheduleResult) -> dict[str, Any]:
             "policy": p.partition.policy,
             "groups": [list(g) for g in p.groups],
             "options": list(p.options),
-            "saved": [s.name for s in p.partition.saved],
-            "recomputed": list(p.partition.recomputed_names),
+            # None: the step was assembled from a template (layer reuse), nodes not named
+            "saved": None if from_template else [s.name for s in p.partition.saved],
+            "recomputed": None if from_template else list(p.partition.recomputed_names),
         },
         "saved_nodes": p.saved_nodes,
         "recomputed_nodes": p.recomputed_nodes,

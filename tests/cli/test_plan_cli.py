@@ -68,3 +68,40 @@ def test_an_op_level_plan_of_a_meta_step_says_predicted_only(capsys):
     assert "gradients          - (predicted only: nothing was run)" in out, out
     assert "measured peak      - (predicted only: nothing was run)" in out, out
     assert "DIFFER" not in out, out
+
+
+def test_an_op_level_plan_from_a_template_is_the_plan_of_the_whole_trace(tmp_path, capsys):
+    """`plan --granularity op --meta` analyses a stack of alike layers from a 4-layer
+    template (plan.op_reuse): at a budget between the least and the unconstrained peak,
+    its plan (options, predicted peak, recompute) is the whole trace's
+    (`--trace-all-layers`); the JSON says nodes are not named (null)."""
+    import jsonschema
+
+    from remat_pass.report.documents import document_schema
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 64, "max_position_embeddings": 64}))
+    base = ["plan", "--config", str(config), "--batch", "2", "--seq", "32", "--no-calibrate", "--meta",
+            "--granularity", "op"]
+
+    def run(budget: str, *extra: str) -> dict:
+        path = tmp_path / f"p{len(extra)}.json"
+        assert main([*base, "--budget", budget, "--json", str(path), *extra]) == 0
+        doc = json.loads(path.read_text())
+        jsonschema.validate(doc, document_schema("remat-pass-plan"))
+        return doc
+
+    first = run("1GiB", "--trace-all-layers")
+    budget = (first["least_feasible_peak_bytes"] + first["unconstrained_peak_bytes"]) // 2
+    whole, reused = run(str(budget), "--trace-all-layers"), run(str(budget))
+    out = capsys.readouterr().out
+    assert "assembled from a 4-layer template" in out, out
+    assert reused["partition"]["saved"] is None and whole["partition"]["saved"]
+    assert reused["predicted_peak_bytes"] == whole["predicted_peak_bytes"] <= budget
+    for key in ("options", "groups"):
+        assert reused["partition"][key] == whole["partition"][key]
+    assert reused["recompute_cost"] == whole["recompute_cost"] > 0 and any(reused["partition"]["options"])
+    assert reused["recompute_bytes_moved"] == whole["recompute_bytes_moved"]
+    assert reused["least_feasible_peak_bytes"] == whole["least_feasible_peak_bytes"]
