@@ -1,7 +1,9 @@
 """Measured against predicted peak of whole training steps under torch.compile.
 
 For each model (``gpt2``: ``remat_pass.models:gpt2``, transformers' GPT-2, which
-Dynamo splits at ``self.loss_function`` into a layer graph and a loss graph; ``tiny``:
+Dynamo splits at ``self.loss_function`` into a layer graph and a loss graph, called
+with ``use_cache=False`` in every row, as a training step and as transformers'
+gradient checkpointing calls it, so no key/value cache is returned; ``tiny``:
 ``remat_pass.models:tiny_gpt``, loss inside the compiled function), compiler
 (``eager``: fx code; ``inductor``), shapes (static, or ``--dynamic``: one compile with
 ``dynamic=True`` run at every ``--batches``) and precision (fp32, or ``--bf16``:
@@ -25,7 +27,7 @@ time: median of ``--repeats`` steps over eager's. Gradients: against eager's, bi
 or the largest absolute difference.
 
 ``--bound``: GPT-2's step keeps the model's whole result until its backward returned
-(``out = model(...); out.loss.backward()``), the logits and key/values held.
+(``out = model(...); out.loss.backward()``), the logits held.
 
 Usage: ``python benchmarks/compile_backend.py [--models gpt2,tiny --compilers eager
 --batches 4 --dynamic --bf16 --bound --repeats 3 --json out.json]``
@@ -79,7 +81,7 @@ def make_model(name: str, batch: int, dropout: float | None) -> tuple[nn.Module,
 def backward(result: Any) -> None:
     """``result.backward()`` for a loss; for a model's whole result (``--bound``), its
     loss's, with the result held by this frame until backward returns (``out =
-    model(...); out.loss.backward()``: ``out.logits`` and the key/values stay alive)."""
+    model(...); out.loss.backward()``: ``out.logits`` stays alive)."""
     (result if isinstance(result, torch.Tensor) else result.loss).backward()
 
 
@@ -87,7 +89,7 @@ def loss_fn(name: str, bf16: bool, bound: bool = False) -> Callable[[nn.Module, 
     def loss(model: nn.Module, ids: torch.Tensor) -> Any:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if name == "gpt2":
-                out = model(input_ids=ids, labels=ids)
+                out = model(input_ids=ids, labels=ids, use_cache=False)
                 return out if bound else out.loss
             logits = model(ids)
             return F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())

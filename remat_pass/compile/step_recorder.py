@@ -21,7 +21,8 @@ Each call records, without holding any tensor:
   out.loss.backward()`` keeps ``out.logits``): ``RecordedStep.held``.
 
 The backward order is observed with a pre-hook on the ``CompiledFunctionBackward`` node
-of each call's outputs (``Node.register_prehook``). No post-hook: with one, autograd's
+of each call's outputs (``Node.register_prehook``), found behind the views AOTAutograd
+regenerates for outputs that alias an intermediate (``_compiled_node``). No post-hook: with one, autograd's
 engine keeps a node's incoming gradients alive until the hooks run after it
 (``torch/csrc/autograd/engine.cpp``, ``call_function``), which would change the very
 memory being predicted. The end of a backward pass is observed with
@@ -122,6 +123,25 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return (s.data_ptr(), s.nbytes())
 
 
+VIEW_CHAIN_DEPTH = 8
+
+
+def _compiled_node(node: Any) -> Any:
+    """The ``CompiledFunctionBackward`` node behind an output's ``grad_fn``: the node
+    itself, or the one reached through a chain of single-input nodes (at most
+    ``VIEW_CHAIN_DEPTH``): AOTAutograd hands back an output that is a view of a graph
+    intermediate as a view regenerated from its base output (``AliasBackward0`` after
+    ``ViewBackward0`` when a graph break follows ``hidden.view(...)``). None: none."""
+    for _ in range(VIEW_CHAIN_DEPTH + 1):
+        if node is None or type(node).__name__ == COMPILED_BACKWARD:
+            return node
+        following = [n for n, _ in node.next_functions if n is not None]
+        if len(following) != 1:
+            return None
+        node = following[0]
+    return None
+
+
 def _flat_outputs(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -138,6 +158,10 @@ class _OpenStep:
         self.outputs: dict[tuple[int, int], StorageWeakRef] = {}
         self.held: tuple[tuple[int, int], ...] = ()
         self.callback_queued = False
+        # autograd's sequence number of the newest compiled backward node of the calls
+        # so far: a node found behind a view that is not newer is an earlier call's
+        self.last_sequence_nr = -1
+        self.next_sequence_nr = -1
 
     def note_held(self) -> None:
         """Record which outputs are still alive (called when a backward pass ends)."""
@@ -209,10 +233,12 @@ class StepRecorder:
             if isinstance(o, torch.Tensor):
                 step.producers[_storage_key(o)] = (index, k)
                 step.outputs[(index, k)] = StorageWeakRef(o.untyped_storage())
-                node = o.grad_fn
-                if not has_backward and node is not None and type(node).__name__ == COMPILED_BACKWARD:
+                node = None if has_backward else _compiled_node(o.grad_fn)
+                if node is not None and node._sequence_nr() > step.last_sequence_nr:
                     has_backward = True
+                    step.next_sequence_nr = max(step.next_sequence_nr, node._sequence_nr())
                     node.register_prehook(lambda grads, c=index, s=step: self._backward_starts(s, c))
+        step.last_sequence_nr = step.next_sequence_nr
         if has_backward:
             step.pending.add(index)
         first = _flat_outputs(out)[0] if _flat_outputs(out) else None

@@ -232,6 +232,10 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
         if len(backs) > 1:
             notes.append(f"output {k} of {calls[g].label} gets gradients from {len(backs)} graphs; autograd "
                          "sums them (not modelled)")
+    if backward_order:
+        notes += [f"the backward of {call.label} (call {c}) was not observed to run; its backward steps are "
+                  "counted at the end of its forward (not modelled)"
+                  for c, call in enumerate(calls) if c not in at.bw_phase and call.graph.backward_steps]
     tensors: list[SpanTensor] = []
     for c, call in enumerate(calls):
         tensors += _call_tensors(c, calls, at, consumers, loss, frozenset(held))
