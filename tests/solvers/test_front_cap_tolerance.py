@@ -62,3 +62,19 @@ def test_sizes_with_a_common_divisor_are_solved_in_it():
     a, b = solve_layer_front(small, UNBOUNDED), solve_layer_front(big, UNBOUNDED)
     assert [(d.saved_bytes * 2**20, d.recompute_cost, d.recomputed) for d in a.points] == [
         (d.saved_bytes, d.recompute_cost, d.recomputed) for d in b.points]
+
+
+@pytest.mark.slow
+def test_fronts_of_320_huge_layers_are_the_brute_force_fronts():
+    """80 random layers of 10-12 units, each scaled by 2**20, 2**26, 2**30 and 2**33
+    bytes: every front exact and equal to brute force (the sweep that chose
+    ``MIP_FEASIBILITY_TOLERANCE`` and the row scaling; about a minute)."""
+    wrong = []
+    for seed in range(80):
+        for scale in (2**20, 2**26, 2**30, 2**33):
+            g = scaled_layer(seed, 10 + seed % 3, scale)
+            front = solve_layer_front(g, UNBOUNDED)
+            if not front.exact or [(d.saved_bytes, d.recompute_cost) for d in front.points] != [
+                    (d.saved_bytes, d.recompute_cost) for d in brute_force_front(g)]:
+                wrong.append((seed, scale))
+    assert wrong == []
