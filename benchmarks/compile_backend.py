@@ -26,11 +26,13 @@ two warm-up steps at that shape; the seed is set before every step (dropout). St
 time: median of ``--repeats`` steps over eager's. Gradients: against eager's, bitwise
 or the largest absolute difference.
 
+``--head-apart``: GPT-2's ``lm_head`` behind a graph break in every row (``HeadApart``).
+
 ``--bound``: GPT-2's step keeps the model's whole result until its backward returned
 (``out = model(...); out.loss.backward()``), the logits held.
 
 Usage: ``python benchmarks/compile_backend.py [--models gpt2,tiny --compilers eager
---batches 4 --dynamic --bf16 --bound --repeats 3 --json out.json]``
+--batches 4 --dynamic --bf16 --bound --head-apart --repeats 3 --json out.json]``
 """
 
 from __future__ import annotations
@@ -63,11 +65,30 @@ from remat_pass.models import gpt2, tiny_gpt  # noqa: E402
 MIB = 2**20
 
 
-def make_model(name: str, batch: int, dropout: float | None) -> tuple[nn.Module, Callable[[int], Any]]:
+class HeadApart(nn.Module):
+    """GPT-2's ``lm_head`` behind a graph break (``--head-apart``): Dynamo compiles the
+    head as its own graph (the split transformers' gradient-checkpointing path gets
+    from its ``use_cache`` warning), so the logits' gradient is held only by the head's
+    backward, not by the layer graph's whole backward (AOTAutograd's
+    ``CompiledFunction.backward(ctx, *grads)`` keeps its arguments until it returns)."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.head(x)
+
+
+def make_model(name: str, batch: int, dropout: float | None,
+               head_apart: bool = False) -> tuple[nn.Module, Callable[[int], Any]]:
     """``(model, inputs(batch))``: the model and a function giving its step inputs."""
     if name == "gpt2":
         model, inputs, _ = gpt2(batch=batch, **({} if dropout is None else {"dropout": dropout}))
         seq, vocab = inputs["input_ids"].shape[1], model.config.vocab_size
+        if head_apart:
+            model.lm_head = HeadApart(model.lm_head)
     else:
         model, (ids,), _ = tiny_gpt(batch=batch, **({} if dropout is None else {"dropout": dropout}))
         seq, vocab = ids.shape[1], model.tok.num_embeddings
@@ -169,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bound", action="store_true",
                     help="gpt2: the step keeps the model's result through backward (out = model(...); "
                          "out.loss.backward())")
+    ap.add_argument("--head-apart", action="store_true",
+                    help="GPT-2: a graph break before lm_head in every row (the head its own graph)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=1)
     return ap
@@ -228,13 +251,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 def _model_rows(args: argparse.Namespace, name: str, batches: list[int]) -> list[dict[str, Any]]:
     """One model's rows: eager (the reference), then per compiler the remat schedules,
     the optimized budgets (static shapes) and the references."""
-    base, ids_of = make_model(name, batches[0], args.dropout)
+    base, ids_of = make_model(name, batches[0], args.dropout, args.head_apart)
     loss = loss_fn(name, args.bf16, args.bound)
     torch._dynamo.reset()
     ref_model = copy.deepcopy(base)
     eager = run(ref_model, lambda ids: loss(ref_model, ids), ids_of, batches, args.repeats)
     tag = (f"{name} {'bf16' if args.bf16 else 'fp32'} {'dynamic' if args.dynamic else 'static'}"
-           + (" bound" if args.bound and name == "gpt2" else ""))
+           + (" bound" if args.bound and name == "gpt2" else "")
+           + (" head apart" if args.head_apart and name == "gpt2" else ""))
     bench = _Bench(args, name, tag, base, ids_of, loss, batches, {r["batch"]: r for r in eager})
     bench.add("-", "eager", eager, {})
     for compiler in args.compilers.split(","):

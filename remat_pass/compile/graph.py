@@ -50,6 +50,9 @@ class CompileInfo:
         graph_break: why Dynamo ended this graph when a graph break did, else None.
         partial: the graph may hold only part of the stack (a break came before it, or
             ends it).
+        made_inputs: the placeholders Dynamo makes a tensor of at every call (a Python
+            float under dynamic shapes, passed as ``torch._as_tensor_fullprec(x)``:
+            ``GraphArg.pass_arg_as_tensor``): allocated in the step, not by the caller.
     """
 
     graph_id: str
@@ -57,6 +60,7 @@ class CompileInfo:
     labels: tuple[str, ...]
     graph_break: str | None
     partial: bool
+    made_inputs: tuple[int, ...] = ()
 
 
 def compile_info(gm: fx.GraphModule, graph_id: str, frame: int | None, seen_break: bool) -> CompileInfo:
@@ -73,6 +77,8 @@ def compile_info(gm: fx.GraphModule, graph_id: str, frame: int | None, seen_brea
         labels=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         graph_break=(str(reason.reason).splitlines()[0] + where) if ends_at_break else None,
         partial=ends_at_break or seen_break,  # after a break, part of the stack
+        made_inputs=tuple(i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                          if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)),
     )
 
 

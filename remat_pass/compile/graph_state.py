@@ -361,6 +361,10 @@ def record(state: Compiled | Recorded, scheduler: GraphScheduler) -> Recorded:
     p = compiled.planned
     fx_model = liveness.get("fx") or step_liveness(p, p.step, scheduler)
     liveness["fx"] = fx_model
+    if p.captured.info.made_inputs and not fx_model.made_inputs:
+        made = tuple((i, _storage_size(p.joint.primal_values[i], p.allocator)) for i in p.captured.info.made_inputs)
+        fx_model = dataclasses.replace(fx_model, made_inputs=made)
+        liveness["fx"] = fx_model
     if model == "inductor":
         step = p.step
         dtypes = {n.name: n.meta["val"].dtype for gm in (step.forward, step.backward) for n in gm.graph.nodes
@@ -368,6 +372,7 @@ def record(state: Compiled | Recorded, scheduler: GraphScheduler) -> Recorded:
         liveness["inductor"] = code_liveness(
             p.graph_id, compiled.code.forward, compiled.code.backward, step.num_fwd_outputs,
             fx_model.tangent_nbytes, dtypes, {str(sym): sym for sym in p.hints}, len(p.joint.primals))
+        liveness["inductor"] = dataclasses.replace(liveness["inductor"], made_inputs=fx_model.made_inputs)
     return Recorded(compiled, liveness)
 
 

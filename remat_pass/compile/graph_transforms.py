@@ -99,13 +99,17 @@ def aot_graphs(
     saved_bw += [pre for _, pre in clones]  # each stands in for its backward placeholder
     sym = [i for i, n in enumerate(saved_fw) if is_sym_node(n)]
     tensors = [i for i in range(len(saved_fw)) if i not in set(sym)]
+    bindings = _symbol_bindings(fw, [saved_fw[i] for i in sym],
+                                [*(saved_fw[i] for i in tensors), *(saved_fw[i] for i in sym), *tangents])
     for dst, src in mutations:
         fw.call_function(torch.ops.aten.copy_.default, (placeholders[dst], by_name[src]))
-    fw.output([*fwd_outs, *(saved_fw[i] for i in tensors), *(saved_fw[i] for i in sym)])
+    fw.output([*fwd_outs, *(saved_fw[i] for i in tensors), *bindings, *(saved_fw[i] for i in sym)])
     fw.lint()
 
     bw = fx.Graph()
     benv: dict[Any, fx.Node] = {}
+    for node in bindings:  # read by no backward node: only Inductor's size bindings need them
+        bw.placeholder(node.name).meta = dict(node.meta)
     for src in [*(saved_bw[i] for i in sym), *(saved_bw[i] for i in tensors), *tangents]:
         ph = bw.placeholder(src.name)
         ph.meta = dict(src.meta)
@@ -131,6 +135,28 @@ def aot_graphs(
         fx.GraphModule(step.forward, fw, class_name="RematForward"),
         fx.GraphModule(step.backward, bw, class_name="RematBackward"),
     )
+
+
+def _symbol_bindings(fw: fx.Graph, saved_syms: Sequence[fx.Node], backward_inputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """The forward nodes binding each shape symbol a backward input's size, stride or
+    value uses that no saved SymInt binds (``s0`` of a saved tensor of size
+    ``s0*(s1 + 1)``): Inductor's backward must be given every such symbol as an input
+    of its own (``codegen_inputs``: "expected [s0] to have been codegen-ed"), as
+    ``torch._functorch.partitioners._extract_fwd_bwd_modules`` saves them. In
+    ``fw``'s order of first binding; empty under static shapes."""
+    from torch.fx.experimental.symbolic_shapes import (find_symbol_binding_fx_nodes, free_symbols,
+                                                       is_symbol_binding_fx_node)
+
+    bound = {is_symbol_binding_fx_node(n) for n in saved_syms} - {None}
+    needed: set[Any] = set()
+    for n in backward_inputs:
+        val = n.meta.get("val")
+        if isinstance(val, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            needed |= free_symbols(val)
+    missing = needed - bound
+    if not missing:
+        return []
+    return [node for sym, node in find_symbol_binding_fx_nodes(fw).items() if sym in missing]
 
 
 def _pre_mutation_clones(

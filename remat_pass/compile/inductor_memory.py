@@ -52,7 +52,7 @@ _REUSE = re.compile(r"^(\w+) = (?:reinterpret_tensor\()?(\w+)\b.*; del (\w+)\s+#
 _ALIAS = re.compile(r"^(\w+) = reinterpret_tensor\((\w+),")
 _GETITEM = re.compile(r"^(\w+) = (\w+)((?:\[\d+\])+)$")
 _FALLBACK = re.compile(r"^(\w+) = (torch\.ops\.[\w.]+|aten\.[\w.]+|extern_kernels\.[\w.]+)\(")
-_ASSERT = re.compile(r"^assert_size_stride\((\w+), (\(.*?\)), (\(.*?\))")
+_ASSERT = re.compile(r"^assert_size_stride\((\w+), (.*)\)$")
 _DEL = re.compile(r"^del (\w+(?:, \w+)*)$")
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 _SDPA_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
@@ -128,8 +128,9 @@ class _Run:
         self.children: dict[str, list[tuple[str, str]]] = {}  # tuple name -> [(child, index)]
         for line in body:
             m = _ASSERT.match(line)
-            if m:
-                self.asserts[m.group(1)] = (self._tuple(m.group(2)), self._tuple(m.group(3)))
+            if m:  # (size), (stride)[, 'input']: tuples whose items may hold calls (max(1, s8))
+                size, stride = _split_top(m.group(2))[:2]
+                self.asserts[m.group(1)] = (self._tuple(size), self._tuple(stride))
             m = _GETITEM.match(line)
             if m:
                 self.children.setdefault(m.group(2), []).append((m.group(1), m.group(3)))
@@ -142,7 +143,7 @@ class _Run:
         try:
             return int(text)
         except ValueError:
-            return sympy.sympify(text, locals=self.symbols)
+            return sympy.sympify(text, locals={"max": sympy.Max, "min": sympy.Min, **self.symbols})
 
     def nbytes(self, size: Sequence[Any], stride: Sequence[Any], dtype: str) -> Any:
         if any(s == 0 for s in size):
@@ -342,8 +343,10 @@ def code_liveness(graph_id: str, forward_code: str, backward_code: str, num_fwd_
     bw_inputs = list(bw.inputs)
     tangents = [n for n in bw_inputs if n.startswith("tangents")]
     saved_inputs = bw_inputs[: len(bw_inputs) - len(tangents)]
-    saved_returns = fw.returns[num_fwd_outputs:]
-    n_sym = max(len(saved_inputs) - len(saved_returns), 0)  # SymInts: first in backward, last in forward
+    # SymInts: first in backward, last in forward (where the code returns them, as names
+    # that are no storage: a saved tensor always is one)
+    saved_returns = [sid for sid in fw.returns[num_fwd_outputs:] if sid is not None]
+    n_sym = max(len(saved_inputs) - len(saved_returns), 0)
     primal_names = list(fw.inputs)[: num_primals] if num_primals is not None else list(fw.inputs)
     input_last = {n: fw.storages[sid].last for n, sid in fw.inputs.items()}
     as_forward: dict[int, int] = {}  # backward input storage -> the forward storage it is

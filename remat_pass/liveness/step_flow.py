@@ -39,6 +39,9 @@ AOTAutograd's runtime, ``torch/_functorch/_aot_autograd/runtime_wrappers.py``):
 7. A parameter gradient is stolen into ``.grad`` and kept to the end of the step when
    ``.grad`` was None; when ``.grad`` exists (or an earlier backward of the step
    already set it) it is added in place and freed when its backward returns.
+8. An input Dynamo makes at each call (a Python float passed as a 0-dim float64
+   tensor under dynamic shapes) lives from the call to its last read in the graph
+   (in its backward when it is saved).
 
 Not modelled (listed in ``StepFlow.notes`` when seen): eager autograd ops between
 graphs, an output read by two graphs' backwards (autograd sums the gradients), and
@@ -77,6 +80,9 @@ class GraphLiveness:
         input_last: per primal, the last local step that reads it (-1: none).
         tangent_last: per tangent, the last local step that reads it (-1: none).
         tangent_nbytes: per tangent, its size.
+        made_inputs: ``(primal, bytes)`` of each input made at every call, not by the
+            caller (``CompileInfo.made_inputs``): live from the call to its last read
+            (a saved one: its last read in the backward).
     """
 
     graph_id: str
@@ -89,6 +95,7 @@ class GraphLiveness:
     input_last: tuple[int, ...]
     tangent_last: tuple[int, ...]
     tangent_nbytes: tuple[Any, ...]
+    made_inputs: tuple[tuple[int, Any], ...] = ()
 
     def map_sizes(self, size: Callable[[Any], Any]) -> "GraphLiveness":
         """A copy with every size passed through ``size`` (e.g. a symbolic size
@@ -97,6 +104,7 @@ class GraphLiveness:
             self,
             storages=tuple(dataclasses.replace(s, nbytes=size(s.nbytes)) for s in self.storages),
             tangent_nbytes=tuple(size(b) for b in self.tangent_nbytes),
+            made_inputs=tuple((i, size(b)) for i, b in self.made_inputs),
         )
 
 
@@ -306,6 +314,10 @@ def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
             elif call.grad_kept[pi] is False:
                 end, kind = at.local(c, nf + len(g.backward_steps) - 1), "added gradient"
         out.append(SpanTensor(s.name, call.label, kind, s.nbytes, start, end, s.layer))
+    for pi, nbytes in g.made_inputs:  # made by Dynamo's frame just before the call
+        last = g.input_last[pi] if pi < len(g.input_last) else -1
+        out.append(SpanTensor(f"input {pi}", call.label, "made input", nbytes, Place(c, 0),
+                              at.local(c, last) if last >= 0 else Place(c, 0)))
     return out
 
 
