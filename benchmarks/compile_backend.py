@@ -283,6 +283,15 @@ class _Bench:
     ref: dict[int, dict[str, Any]]
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
+    def failed(self, compiler: str, method: str, note: str) -> None:
+        """A reference row that could not be run (per batch, figures None)."""
+        for batch in self.batches:
+            self.rows.append({
+                "model": self.tag, "compiler": compiler, "method": method, "batch": batch,
+                "measured_bytes": None, "predicted_bytes": None, "error_pct": None, "budget_bytes": None,
+                "within_budget": None, "time_ratio": None, "grads_bitwise": None, "max_grad_diff": None,
+                "note": note})
+
     def add(self, compiler: str, method: str, results: list[dict[str, Any]], predicted: dict[int, int | None],
             note: str = "", budget: int | None = None) -> None:
         tag = self.tag
@@ -360,7 +369,14 @@ class _Bench:
                 torch._dynamo.reset()
                 model = with_checkpoint(self.name, base)
                 f = torch.compile(lambda ids, m=model: loss(m, ids), backend="inductor", dynamic=args.dynamic)
-                self.add("inductor", "checkpoint every layer (K=1)", run(model, f, ids_of, batches, args.repeats), {})
+                method = "checkpoint every layer (K=1)"
+                try:
+                    res = run(model, f, ids_of, batches, args.repeats)
+                except Exception as e:  # PyTorch's own failure: a row that says so, not the run's end
+                    first = (str(e).strip().splitlines() or [""])[-1][:120]
+                    self.failed("inductor", method, f"PyTorch failed: {type(e).__name__}: {first}")
+                    continue
+                self.add("inductor", method, res, {})
 
 
 def _step_peak(b: Any, batch: int, ids_of: Callable[[int], torch.Tensor]) -> int | None:
@@ -379,11 +395,14 @@ def _note(b: Any) -> str:
 def _print(rows: list[dict[str, Any]]) -> None:
     header = ["model", "compiler", "method", "batch", "measured MiB", "predicted MiB", "error %",
               "<= budget", "time / eager", "grads", "note"]
-    table = [[r["model"], r["compiler"], r["method"], str(r["batch"]), f"{r['measured_bytes'] / MIB:.2f}",
+    table = [[r["model"], r["compiler"], r["method"], str(r["batch"]),
+              "" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MIB:.2f}",
               "" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MIB:.2f}",
               "" if r["error_pct"] is None else f"{r['error_pct']:+.2f}",
               "" if r["within_budget"] is None else ("yes" if r["within_budget"] else "NO"),
-              f"{r['time_ratio']:.2f}", "bitwise" if r["grads_bitwise"] else f"{r['max_grad_diff']:.1e}",
+              "" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}",
+              "" if r["grads_bitwise"] is None else
+              "bitwise" if r["grads_bitwise"] else f"{r['max_grad_diff']:.1e}",
               r["note"]] for r in rows]
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} thread(s)")
     print(text_table(header, table, "lllrrrrrrrl"))

@@ -209,7 +209,7 @@ class _Places:
 def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
               loss: tuple[int, int] | None = None,
               held: Sequence[tuple[int, int]] = ()) -> StepFlow:
-    """The phases and tensors of a step of several graph calls (rules 1-7 above).
+    """The phases and tensors of a step of several graph calls (rules 1-8 above).
 
     Args:
         calls: the graph calls in the order their forwards ran.
@@ -265,7 +265,7 @@ def _total(tensors: Sequence[SpanTensor]) -> Any:
 def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
                   consumers: dict[tuple[int, int], list[tuple[int, int]]],
                   loss: tuple[int, int], held: frozenset[tuple[int, int]]) -> list[SpanTensor]:
-    """The call's own storages, re-timed where they cross (rules 1, 2, 3, 5-7)."""
+    """The call's own storages, re-timed where they cross (rules 1, 2, 3, 5-8)."""
     call, g = calls[c], calls[c].graph
     outputs: dict[int, list[int]] = {}
     for k, j in enumerate(call.output_joint):
