@@ -70,14 +70,26 @@ def flash_attention_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
     """``(qSplitSize, kvSplitSize)`` of ``native/cpu/FlashAttentionKernel.cpp``
     (``flash_attention_kernel_impl`` / ``flash_attention_backward_kernel_impl``): query
     blocks of 256 / 64 / 32 rows for a query length of >= 768 / >= 192 / less, key
-    blocks of 512, each at most the length.
+    blocks of 512, each at most the length. Lengths that are sympy expressions (the
+    symbolic sizes of Inductor's code) give a ``Piecewise`` and a ``Min``.
 
     Example:
         >>> flash_attention_blocks(1024, 1024), flash_attention_blocks(200, 100), flash_attention_blocks(20, 20)
         ((256, 512), (64, 100), (20, 20))
     """
+    if _symbolic(q_len) or _symbolic(kv_len):  # sizes of Inductor's code under dynamic shapes
+        import sympy
+
+        q, kv = sympy.sympify(q_len), sympy.sympify(kv_len)
+        split = sympy.Piecewise((sympy.Min(256, q), q >= 768), (sympy.Min(64, q), q >= 192), (sympy.Min(32, q), True))
+        return split, sympy.Min(512, kv)
     split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
     return min(split, q_len), min(512, kv_len)
+
+
+def _symbolic(value: Any) -> bool:
+    """Whether ``value`` is a sympy expression with free symbols (not an int)."""
+    return bool(getattr(value, "free_symbols", None))
 
 
 def flash_attention_bytes(q_len: int, kv_len: int, head_dim: int, element_size: int, threads: int,

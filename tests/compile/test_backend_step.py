@@ -421,6 +421,29 @@ def test_inductor_gpt2_dynamic_step_is_predicted_per_batch(sched):
 @pytest.mark.slow
 @needs_cxx
 @pytest.mark.parametrize("sched", [("uniform", 1), ("none", None)])
+def test_inductor_sdpa_dynamic_step_is_predicted_per_batch(sched):
+    """compiler='inductor' with dynamic=True on a model with CPU flash attention (its
+    fallback kernel's scratch depends on the symbolic sequence length: a Piecewise of
+    the block sizes; before, reading the code raised "cannot determine truth value of
+    Relational"): batches 2 and 4 each predicted to the byte."""
+    from remat_pass.models import TinyGPT
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, hidden=64, heads=4, layers=2, seq=32)
+    b = remat_pass.backend(*sched, compiler="inductor")
+    f = torch.compile(lambda ids: F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()), backend=b, dynamic=True)
+    for batch in (2, 4):
+        ids = _ids(batch)
+        measured = _measured(model, lambda: f(ids).backward())
+        report = b.step_report((batch, 32))
+        assert report.model == "inductor" and report.exact and report.peak_bytes == measured
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("sched", [("uniform", 1), ("none", None)])
 def test_inductor_dropout_equals_inductor_without_the_pass(sched):
     """With dropout, compiler='inductor' gives gradients bitwise equal to
     torch.compile(backend='inductor') with the same seed (Inductor's RNG is its own:

@@ -163,6 +163,20 @@ def test_flash_attention_formula_is_measured(dtype, threads):
     assert forward == threads * (64 * 200 + 2 * 64 + 64 * 16) * max(4, es)
 
 
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("backward", [False, True])
+def test_flash_attention_formula_of_a_symbolic_length_is_the_concrete_one(element_size, backward):
+    """A query length that is a sympy symbol (Inductor's code under dynamic shapes)
+    gives an expression equal to the concrete formula at every length, across the
+    block-size thresholds (32 / 192 / 768 rows, keys of 512)."""
+    import sympy
+
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    expr = flash_attention_bytes(s, s, 16, element_size, 2, backward)
+    for n in (1, 20, 32, 33, 191, 192, 200, 512, 767, 768, 1024, 4096):
+        assert int(expr.subs(s, n)) == flash_attention_bytes(n, n, 16, element_size, 2, backward)
+
+
 def test_signature_keys_on_strides_and_threads():
     """gelu_backward of a stride-0 gradient (the backward of ``sum``) and of a dense one
     are two signatures; so is one op at 1 and at 2 threads."""
