@@ -373,7 +373,7 @@ class _Bench:
                 try:
                     res = run(model, f, ids_of, batches, args.repeats)
                 except Exception as e:  # PyTorch's own failure: a row that says so, not the run's end
-                    first = (str(e).strip().splitlines() or [""])[-1][:120]
+                    first = (str(e).strip().splitlines() or [""])[0][:120]
                     self.failed("inductor", method, f"PyTorch failed: {type(e).__name__}: {first}")
                     continue
                 self.add("inductor", method, res, {})
