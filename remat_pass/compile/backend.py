@@ -39,7 +39,11 @@ the step records (``steps.StepRecords``); each event moves them by a transition:
    choices, the same step planner), and the graphs whose schedule changed are compiled
    again (``graph_state.replan``): from the second step on, the step's peak is within
    the budget. A budget below the least feasible step peak raises ``InfeasibleBudget``
-   at the end of the first step.
+   at the end of the first step. With ``compiler="inductor"`` the step planner's fx
+   model is shifted by what Inductor's code saved on the first step (a graph is never
+   refused at compile: its code may fit where its fx graph does not), and the plan is
+   checked on the next step of the same shapes, read from its code: above the budget,
+   the first step's compiled graphs run again (``steps.check_replan``).
 
 Dynamic shapes: the rewrite is shape-agnostic; the GraphReport's sizes are those of
 the example that triggered the compile (``GraphReport.symbolic``), and the step report
@@ -86,7 +90,8 @@ from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's pub
     default_op_schedule,
 )
 from .step_recorder import RecordedGraph, RecordedStep, StepRecorder
-from .steps import StepLogEntry, StepRecords, end_step, not_composable, replan_step, write_step
+from .steps import (INDUCTOR_ROUNDS, PendingCheck, StepLogEntry, StepRecords, check_replan, end_step,
+                    not_composable, replan_step, write_step)
 from ..errors import LayerStackNotFound
 from ..report.step_report import StepReport, break_text
 
@@ -141,6 +146,7 @@ class RematBackend:
         self._recorder = StepRecorder(self._step_ended, self._not_composable)
         self._count = 0
         self._seen_break = False
+        self._pending: PendingCheck | None = None  # an Inductor step plan not yet run
         self.__name__ = "remat"
 
     def __repr__(self) -> str:
@@ -223,21 +229,44 @@ class RematBackend:
         self._records = ended.records
         self._install(ended.recorded)
         if not ended.first:
+            self._check_pending(rec, ended.report)
             return
         self._check_named_stack(rec)
         report = ended.report
         if self.options.schedule == "optimized":
-            replanned = replan_step(self._graphs, rec, report, self._scheduler, tuple(self.reports))
-            self._install(replanned.states)
-            if replanned.planned:  # the graphs may have changed: compose the next steps anew
-                self._records = dataclasses.replace(self._records, composed={})
-            self._take_reports(replanned.reports)
-            report = replanned.report
+            report = self._replan(rec, report, 1)
         folder = self.report_dir
         if folder is not None:
             self.files += write_step(folder, report)
         if len(rec.calls) > 1:
             warnings.warn(self.graph_breaks(), GraphBreakWarning, stacklevel=2)
+
+    def _replan(self, rec: RecordedStep, report: StepReport, rounds: int) -> StepReport:
+        """``steps.replan_step`` of the step ``rec`` ran (``report``): the new states
+        installed, their reports taken, an Inductor plan's check kept; the step's report
+        with the new graphs."""
+        replanned = replan_step(self._graphs, rec, report, self._scheduler, tuple(self.reports), rounds)
+        self._install(replanned.states)
+        if replanned.planned:  # the graphs may have changed: compose the next steps anew
+            self._records = dataclasses.replace(self._records, composed={})
+        self._take_reports(replanned.reports)
+        self._pending = replanned.pending
+        return replanned.report
+
+    def _check_pending(self, rec: RecordedStep, report: StepReport | None) -> None:
+        """The first step of the signature an Inductor step plan was made against
+        (``steps.check_replan``): above the budget, the graphs go back to the schedules
+        before it (their compiled code) and the next steps are composed anew; within
+        it, planned again from there (``steps.INDUCTOR_ROUNDS`` plans at most)."""
+        if self._pending is None or report is None or rec.signature() != self._pending.signature:
+            return
+        pending, self._pending = self._pending, None
+        previous = check_replan(pending, rec, report, int(self.options.budget_bytes), self.options.on_error)
+        if previous is not None:
+            self._install(previous)
+            self._records = dataclasses.replace(self._records, composed={})
+        elif report.peak_bytes <= int(self.options.budget_bytes) and pending.rounds < INDUCTOR_ROUNDS:
+            self._replan(rec, report, pending.rounds + 1)
 
     def _check_named_stack(self, rec: RecordedStep) -> None:
         """After the first step: a ``layers=`` path that no graph of the step holds (a

@@ -76,11 +76,13 @@ class GraphScheduler:
         layers. A graph that may be part of a step of several graphs (``partial``)
         whose least feasible peak is above the budget gets its least feasible
         schedule: the step decides after its first run (the graph's own peak is not
-        the step's).
+        the step's), and so does every graph under ``compiler="inductor"`` (its
+        peak is read from Inductor's code after the first step, often below the fx
+        graph's).
 
         Raises:
             InfeasibleBudget: the budget is below the least feasible peak of a graph
-                that holds the whole step.
+                that holds the whole step (not under Inductor).
             UnsupportedGraph: a symbolic graph with no earlier concrete graph to follow.
         """
         symbolic = any(is_symbolic_tensor(n.meta.get("val")) for n in joint.gm.graph.nodes)
@@ -98,7 +100,7 @@ class GraphScheduler:
         try:
             return planner.plan(int(self.options.budget_bytes)).schedule
         except InfeasibleBudget:
-            if not partial:
+            if not (partial or self.options.compiler == "inductor"):
                 raise
             return planner.least_feasible()[0]
 
@@ -109,11 +111,12 @@ class GraphScheduler:
         its OpPlan), or the recompute modules / save policy in the layers the schedule
         stores (no OpPlan). A graph that may be part of a step of several graphs
         (``partial``) whose least feasible peak is above the budget gets its least
-        feasible choice: the step decides after its first run.
+        feasible choice: the step decides after its first run (every graph under
+        ``compiler="inductor"``: its code is read after the first step).
 
         Raises:
             InfeasibleBudget: the budget is below the least feasible peak of a graph
-                that holds the whole step.
+                that holds the whole step (not under Inductor).
             UnsupportedGraph: the op-level optimum of a graph with symbolic sizes.
             InvalidSchedule: a module kind the graph's layers do not have, or a name
                 of a save policy that is not in the graph.
@@ -130,7 +133,7 @@ class GraphScheduler:
                 plan = planner.plan(int(o.budget_bytes))
                 solution = model_peak(planner.costs, plan.groups, plan.options)
             except InfeasibleBudget:
-                if not partial:
+                if not (partial or o.compiler == "inductor"):
                     raise
                 solution = planner.least_feasible().solution
             return planner.partition(solution), OpPlan(planner, solution)

@@ -162,10 +162,11 @@ def _binding(symbols: Sequence[tuple[int, int | None, Any]], shapes: Sequence[An
 
 
 def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler,
-            steps: Mapping[str, RewrittenStep] | None = None) -> StepReport:
+            steps: Mapping[str, RewrittenStep] | None = None, fx: bool = False) -> StepReport:
     """The StepReport of a recorded step whose graphs are all Recorded in ``states``,
     every size evaluated at the shapes of the call (``evaluate_size``); ``steps``
-    replaces graphs' rewrites (a step planner's candidates, their fx liveness)."""
+    replaces graphs' rewrites (a step planner's candidates, their fx liveness); ``fx``:
+    every graph's fx liveness, also under Inductor (the step planner's model)."""
     steps = steps or {}
     options = scheduler.options
     kept = rec.grad_kept_in_order()
@@ -178,7 +179,7 @@ def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Grap
         label = c.graph_id if seen[c.graph_id] == 1 else f"{c.graph_id}#{seen[c.graph_id]}"
         values = _binding(p.symbols, c.shapes)
         live = (step_liveness(p, steps[c.graph_id], scheduler) if c.graph_id in steps
-                else g.liveness[liveness_model(g, options)])
+                else g.liveness["fx" if fx else liveness_model(g, options)])
         live = live.map_sizes(lambda b: evaluate_size(b, values, p.hints))
         calls.append(GraphCall(live, label, c.inputs_from, g.compiled.output_joint, g.compiled.output_tangent, k))
         summaries.append(CallSummary(label, c.graph_id, p.report.schedule, p.report.layers, c.shapes,
@@ -190,29 +191,60 @@ def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Grap
         notes.append(f"the last graph's output 0 is not a loss (shape {list(last or [])}): eager code after the "
                      "compiled graphs computes it, and its ops are not modelled (the output is counted live to "
                      "the end of the step in their place)")
-    if model == "inductor" and (steps or any(liveness_model(states[c.graph_id], options) == "fx"
+    if model == "inductor" and (steps or fx or any(liveness_model(states[c.graph_id], options) == "fx"
                                              for c in rec.calls)):
         model = "fx"
-        if not steps:
+        if not steps and not fx:
             notes.append("Inductor's code was not captured; the fx graphs are used")
     return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes, rec.held)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingCheck:
+    """A step plan made under Inductor, to be checked on the first step that runs it.
+
+    The step planner models every graph with its fx liveness; under Inductor the step's
+    peak is read from the generated code, which fuses and reuses buffers. The plan is
+    made at the budget shifted by what the code saves on the first step
+    (``saved_bytes``: fx step peak minus Inductor's, at the schedules that ran), so its
+    Inductor peak is known only once its code exists and a step of the same signature
+    has run (``check_replan``).
+
+    Attributes:
+        signature: the ``RecordedStep.signature()`` of the step planned against.
+        previous: the states the re-planned graphs had (their compiled code kept).
+        previous_peak_bytes: the Inductor-read peak of the step with ``previous``.
+        saved_bytes: fx step peak minus Inductor-read step peak at ``previous``.
+        rounds: the step plans made so far (at most ``INDUCTOR_ROUNDS``).
+    """
+
+    signature: tuple
+    previous: dict[str, GraphState]
+    previous_peak_bytes: int
+    saved_bytes: int
+    rounds: int = 1
+
+
+INDUCTOR_ROUNDS = 3  # step plans under Inductor: the first, and two with the saving read at the plan before
 
 
 @dataclasses.dataclass(frozen=True)
 class StepReplan:
     """What ``replan_step`` ends in: every graph's state (the re-planned ones compiled
     again and recorded), the GraphReports of those compiles in order, the step composed
-    with them, and whether a step plan was made (then the composed steps so far are
-    dropped: the next ones are composed anew)."""
+    with them, whether a step plan was made (then the composed steps so far are
+    dropped: the next ones are composed anew), and, under Inductor, the check the next
+    step of the same signature makes (``check_replan``)."""
 
     states: dict[str, GraphState]
     reports: tuple[GraphReport, ...]
     report: StepReport
     planned: bool
+    pending: PendingCheck | None = None
 
 
 def replan_step(states: Mapping[str, GraphState], rec: RecordedStep, report: StepReport,
-                scheduler: GraphScheduler, earlier: Sequence[GraphReport]) -> StepReplan:
+                scheduler: GraphScheduler, earlier: Sequence[GraphReport], rounds: int = 1) -> StepReplan:
     """The graphs of the first composed step ``rec`` (``report``) re-planned against it
     (``schedule="optimized"``): every graph's schedule (``_layer_plan``) or op-level
     choice (``_op_plan``) chosen so that the composed step fits ``budget_bytes``, the
@@ -220,48 +252,103 @@ def replan_step(states: Mapping[str, GraphState], rec: RecordedStep, report: Ste
     recompiled at the end of a backward), and the step composed anew (``report`` itself
     when a graph's compile fell back: the step is not composable any more).
 
+    The planner composes the fx liveness of every graph. Under Inductor (``report``
+    read from the generated code) it plans at ``budget_bytes`` plus what the code saves
+    against the fx model at the schedules that ran; a plan that changes a graph is
+    checked on the next step of the same signature (``PendingCheck``, ``check_replan``),
+    and one that fits is planned again from there with the saving read at it (the
+    saving differs by schedule: some KiB per stored layer), ``INDUCTOR_ROUNDS`` plans at
+    most, each starting from schedules that fit.
+
     Args:
         states: every graph's state (those of ``rec`` Recorded).
-        rec, report: the first composed step and its report.
+        rec, report: the first composed step (or, under Inductor, the first that ran
+            the previous step plan) and its report.
         scheduler: the backend's GraphScheduler.
         earlier: the GraphReports so far (the recompiles' follow).
+        rounds: which step plan this is (under Inductor).
 
     Raises:
-        InfeasibleBudget: the budget is below the least feasible step peak
-            (``on_error="fallback"``: a RematFallbackWarning, and the least feasible
-            schedules run).
+        InfeasibleBudget: the budget is below the least feasible step peak (under
+            Inductor: and below the peak of the step that ran) (``on_error="fallback"``:
+            a RematFallbackWarning, and the least feasible schedules run).
     """
     options = scheduler.options
-    plan = _op_plan(states, rec, scheduler) if options.op_level else _layer_plan(states, rec, scheduler)
+    budget = int(options.budget_bytes)
+    saved = compose(states, rec, scheduler, fx=True).peak_bytes - report.peak_bytes
+    plan = (_op_plan if options.op_level else _layer_plan)(states, rec, scheduler, budget + saved)
     if plan is None:
         return StepReplan(dict(states), (), report, False)
     changed, feasible, least_peak, least = plan
     if not feasible:
-        error = infeasible(int(options.budget_bytes), least_peak, f"the step with {least}")
+        if saved and report.peak_bytes <= budget:  # Inductor's code of the step that ran fits
+            return StepReplan(dict(states), (), report, False)
+        shifted = (f" (the fx model's least, less the {saved} bytes Inductor's code saves on the step that ran)"
+                   if saved else "")
+        error = infeasible(budget, least_peak - saved, f"the step with {least}{shifted}")
         if options.on_error != "fallback":
             raise error
         warnings.warn(f"remat-pass: {error}; running the least feasible schedules (on_error='fallback')",
                       RematFallbackWarning, stacklevel=4)
+    new, reports = _compile_changed(states, changed, scheduler, earlier)
+    pending = (PendingCheck(rec.signature(), {gid: states[gid] for gid in changed}, report.peak_bytes, saved,
+                            rounds) if saved and changed else None)
+    if any(isinstance(new[c.graph_id], Plain) for c in rec.calls):
+        return StepReplan(new, reports, report, True)
+    new.update(record_step(new, rec, scheduler))
+    return StepReplan(new, reports, compose(new, rec, scheduler), True, pending)
+
+
+def _compile_changed(states: Mapping[str, GraphState], changed: Mapping[str, Any], scheduler: GraphScheduler,
+                     earlier: Sequence[GraphReport]) -> tuple[dict[str, GraphState], tuple[GraphReport, ...]]:
+    """Every graph of ``changed`` compiled again with its schedule forced; the new
+    states and the GraphReports of those compiles."""
     new, reports = dict(states), list(earlier)
     for gid, sched in changed.items():
         with torch.enable_grad():  # a training graph, recompiled at the end of a backward
             result = compile_graph(replan(new[gid], sched), scheduler, reports)
         new[gid] = result.state
         reports += result.reports
-    reports = tuple(reports[len(earlier):])
-    if any(isinstance(new[c.graph_id], Plain) for c in rec.calls):
-        return StepReplan(new, reports, report, True)
-    new.update(record_step(new, rec, scheduler))
-    return StepReplan(new, reports, compose(new, rec, scheduler), True)
+    return new, tuple(reports[len(earlier):])
+
+
+def check_replan(pending: PendingCheck, rec: RecordedStep, report: StepReport, budget_bytes: int,
+                 on_error: str) -> dict[str, GraphState] | None:
+    """The first step of ``pending.signature`` that ran an Inductor step plan
+    (``report``, read from its code): None when it fits ``budget_bytes`` or is not of
+    that signature (checked later); else the previous states of the re-planned graphs,
+    to run from the next step on (their code is kept), when the step with them fitted.
+
+    Raises:
+        InfeasibleBudget: neither fits (``on_error="fallback"``: a RematFallbackWarning,
+            and the one of lower peak runs).
+    """
+    if rec.signature() != pending.signature or report.peak_bytes <= budget_bytes:
+        return None
+    logger.info("remat-pass: the Inductor step plan peaks at %s, above the budget %s; back to the schedules "
+                "of the first step (%s)", fmt_bytes(report.peak_bytes), fmt_bytes(budget_bytes),
+                fmt_bytes(pending.previous_peak_bytes))
+    if pending.previous_peak_bytes > budget_bytes:
+        least = min(pending.previous_peak_bytes, report.peak_bytes)
+        error = infeasible(budget_bytes, least, "the step as Inductor's code runs it (the first step's schedules "
+                           "and the step plan's, read from the code)")
+        if on_error != "fallback":
+            raise error
+        warnings.warn(f"remat-pass: {error}; running the lower (on_error='fallback')", RematFallbackWarning,
+                      stacklevel=4)
+        if report.peak_bytes <= pending.previous_peak_bytes:
+            return None
+    return dict(pending.previous)
 
 
 _Plan = tuple[dict[str, Any], bool, int, str]  # changed schedules, feasible, least peak, its text
 
 
-def _layer_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler) -> _Plan | None:
+def _layer_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler,
+                budget_bytes: int) -> _Plan | None:
     """Every graph's layer-level schedule chosen against the composed step
-    (``step_planning.plan_step`` with ``WholeLayerGraph``s, on the fx graphs); None when no
-    graph of the step has layers."""
+    (``step_planning.plan_step`` with ``WholeLayerGraph``s, on the fx graphs) at
+    ``budget_bytes``; None when no graph of the step has layers."""
     graphs = {c.graph_id: states[c.graph_id] for c in rec.calls}
     current = {gid: g.planned.step.schedule for gid, g in graphs.items() if isinstance(g, Recorded)}
     planned = [WholeLayerGraph(gid, Planner(g.planned.joint, g.planned.stack, _graph_predict(g.planned, scheduler)),
@@ -269,8 +356,8 @@ def _layer_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: 
                for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.stack.num_layers]
     if not planned:
         return None
-    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps).peak_bytes,
-                     int(scheduler.options.budget_bytes))
+    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps, fx=True).peak_bytes,
+                     budget_bytes)
     least = ", ".join(f"{gid}: {s.provenance}" for gid, s in plan.least_feasible.items())
     changed = {gid: s for gid, s in plan.choices.items() if s != current[gid]}
     return changed, plan.feasible, plan.least_feasible_peak_bytes, least
@@ -281,7 +368,8 @@ def _graph_predict(planned: Planned, scheduler: GraphScheduler) -> Callable[[sch
     return lambda s: scheduler.predict(planned.joint, planned.stack, s, planned.allocator)
 
 
-def _op_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler) -> _Plan | None:
+def _op_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler,
+             budget_bytes: int) -> _Plan | None:
     """``granularity="op"``: every graph's op-level choice picked against the composed
     step (``step_planning.plan_step`` with ``OpLevelGraph``s, on the fx graphs), from the
     choices the graphs were planned with alone (``Planned.op_plan``); None when no graph
@@ -291,8 +379,8 @@ def _op_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Gra
                for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.op_plan is not None]
     if not planned:
         return None
-    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps).peak_bytes,
-                     int(scheduler.options.budget_bytes))
+    plan = plan_step(planned, lambda steps: compose(states, rec, scheduler, steps, fx=True).peak_bytes,
+                     budget_bytes)
     least = ", ".join(f"{gid}: op-level options {s.options or 'all 0'}, groups {list(s.groups)}"
                       for gid, s in plan.least_feasible.items())
     changed: dict[str, Partition] = {p.graph_id: plan.decisions[p.graph_id] for p in planned
