@@ -37,6 +37,17 @@ settings.register_profile("long", max_examples=2000, phases=[Phase.explicit, Pha
 settings.load_profile("default")
 
 
+@pytest.fixture(autouse=True)
+def _no_eager_mode_left():
+    """A torch.compile backend leaves its step-recording dispatch mode pushed when a
+    test ends before the step it waits for (``compile.eager_recorder``): popped after
+    every test, so no test runs under another's mode."""
+    yield
+    from remat_pass.compile.eager_recorder import release_modes
+
+    release_modes()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a test module (``pytestmark =

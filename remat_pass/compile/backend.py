@@ -90,8 +90,8 @@ from .options import (  # noqa: F401 - REPORT_DIR_ENV: part of the backend's pub
     default_op_schedule,
 )
 from .step_recorder import RecordedGraph, RecordedStep, StepRecorder
-from .steps import (INDUCTOR_ROUNDS, PendingCheck, StepLogEntry, StepRecords, check_replan, end_step,
-                    not_composable, replan_step, write_step)
+from .steps import (INDUCTOR_ROUNDS, PendingCheck, StepLogEntry, StepRecords, check_replan, eager_unrecorded,
+                    end_step, not_composable, replan_step, write_step)
 from ..errors import LayerStackNotFound
 from ..report.step_report import StepReport, break_text
 
@@ -143,10 +143,11 @@ class RematBackend:
         self._graphs: dict[str, GraphState] = {}  # every training graph's current state
         self._callables: dict[str, RecordedGraph] = {}  # what Dynamo calls, per graph
         self._records = StepRecords()
-        self._recorder = StepRecorder(self._step_ended, self._not_composable)
+        self._recorder = StepRecorder(self._step_ended, self._not_composable, record_eager=True)
         self._count = 0
         self._seen_break = False
         self._pending: PendingCheck | None = None  # an Inductor step plan not yet run
+        self._deferred = False  # the step plan waits for the step that records the eager ops
         self.__name__ = "remat"
 
     def __repr__(self) -> str:
@@ -228,13 +229,21 @@ class RematBackend:
         ended = end_step(self._records, self._graphs, rec, self._scheduler)
         self._records = ended.records
         self._install(ended.recorded)
+        rec = ended.step or rec
         if not ended.first:
+            if ended.new_eager and ended.report is not None and self._deferred:
+                self._deferred = False
+                self._replan(rec, ended.report, 1)  # the step plan, with the step's eager ops
+                return
             self._check_pending(rec, ended.report)
             return
         self._check_named_stack(rec)
         report = ended.report
         if self.options.schedule == "optimized":
-            report = self._replan(rec, report, 1)
+            if eager_unrecorded(rec):  # planned on the next step, which records them
+                self._deferred = True
+            else:
+                report = self._replan(rec, report, 1)
         folder = self.report_dir
         if folder is not None:
             self.files += write_step(folder, report)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import torch.fx as fx
+
 from ..recompute import schedule as schedules
 from .options import BackendOptions
 from ..memory.calibration import Calibrator
@@ -59,6 +61,15 @@ class GraphScheduler:
         if self._calibrator is None:
             self._calibrator = Calibrator()
         return self._calibrator.memory_model([step], allocator)
+
+    def eager_memory_model(self, nodes: Sequence[fx.Node], allocator: str) -> MemoryModel:
+        """The memory model of the eager ops of a step (``eager_recorder``): as
+        ``memory_model``, for their recorded op nodes."""
+        if not self.options.calibrate or allocator != "cpu":
+            return MemoryModel.table_only(allocator)
+        if self._calibrator is None:
+            self._calibrator = Calibrator()
+        return self._calibrator.memory_model_of(nodes, allocator)
 
     def predict(self, joint: JointGraph, stack: LayerStack, schedule: schedules.Schedule | Partition,
                 allocator: str) -> MemoryReport:

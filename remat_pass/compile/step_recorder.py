@@ -40,6 +40,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .eager_recorder import EagerRecording, EagerStepMode, install_backward_hook, pop, push
 
 COMPILED_BACKWARD = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function node
 
@@ -87,6 +90,8 @@ class RecordedStep:
         held: ``(call, output)`` of every output whose storage was still alive when
             the step's backward pass ended (the caller holds it); empty when no
             backward ended the step.
+        eager: the eager ops the step ran around its graphs (``eager_recorder``), when
+            they were recorded (not part of the signature).
     """
 
     index: int
@@ -95,6 +100,7 @@ class RecordedStep:
     problems: tuple[str, ...]
     eager_inputs: tuple[str, ...]
     held: tuple[tuple[int, int], ...] = ()
+    eager: EagerRecording | None = None
 
     def signature(self) -> tuple:
         """What decides the composed step (calls, flow, shapes, backward order); equal
@@ -157,6 +163,7 @@ class _OpenStep:
         self.eager: list[str] = []
         self.outputs: dict[tuple[int, int], StorageWeakRef] = {}
         self.held: tuple[tuple[int, int], ...] = ()
+        self.eager_mode: EagerStepMode | None = None  # the mode recording this step's eager ops
         self.callback_queued = False
         # autograd's sequence number of the newest compiled backward node of the calls
         # so far: a node found behind a view that is not newer is an earlier call's
@@ -168,8 +175,13 @@ class _OpenStep:
         self.held = tuple(key for key, ref in self.outputs.items() if not ref.expired())
 
     def close(self) -> RecordedStep:
+        recording = None
+        if self.eager_mode is not None:
+            self.eager_mode.boundary("pass_end")
+            recording = self.eager_mode.recording()
+            self.eager_mode.armed = False
         return RecordedStep(self.index, tuple(self.calls), tuple(self.backward),
-                            tuple(self.problems), tuple(self.eager), self.held)
+                            tuple(self.problems), tuple(self.eager), self.held, recording)
 
 
 class StepRecorder:
@@ -179,14 +191,47 @@ class StepRecorder:
         on_step_end: called with each finished RecordedStep.
         on_problem: called with a message when a step that already ended turns out not
             to be composable (a backward through its graphs runs again); may raise.
+        record_eager: also record the eager ops around the graphs
+            (``eager_recorder``) in the second step of each signature (the first step
+            of a signature tells which graphs it has; the mode is pushed when its
+            backward returns).
     """
 
     def __init__(self, on_step_end: Callable[[RecordedStep], None],
-                 on_problem: Callable[[str], None] | None = None):
+                 on_problem: Callable[[str], None] | None = None, record_eager: bool = False):
         self.on_step_end = on_step_end
         self.on_problem = on_problem
         self._open: _OpenStep | None = None
         self._count = 0
+        self._mode: EagerStepMode | None = None  # pushed, recording (armed) or waiting for a step
+        self._mode_done = False
+        self._eager_signatures: set[tuple] = set()
+        self._want_eager = False
+        if record_eager:
+            install_backward_hook(self)
+
+    # -- torch.autograd.backward, in the caller's context (eager_recorder.install_backward_hook)
+    def backward_begins(self, roots: Sequence[Any]) -> None:
+        """``torch.autograd.backward`` is called on ``roots``."""
+        if self._mode is not None and self._mode.armed:
+            self._mode.backward_begins(roots)
+
+    def backward_returned(self) -> None:
+        """A backward returned: a mode whose step ended is popped; one is pushed when
+        the step that just ended had a signature not recorded with its eager ops."""
+        if torch._C._current_autograd_node() is not None:
+            return  # a backward inside a backward (a reentrant checkpoint): its engine restores the state
+        if self._mode is not None and self._mode.owner() is not self:
+            self._mode, self._mode_done = None, False  # another backend took it over
+        if self._mode is not None and not self._mode.armed:
+            # its step ended, or it recorded none (a profiler was on; a backward of other graphs)
+            recorded = self._mode_done
+            pop(self._mode)
+            self._mode, self._mode_done = None, False
+            self._want_eager = self._want_eager or not recorded
+        if self._mode is None and self._want_eager:
+            self._mode = push(self)
+            self._want_eager = self._mode is None
 
     def wrap(self, graph_id: str, compiled: Callable[..., Any], param_indices: Sequence[int]) -> "RecordedGraph":
         """The callable to hand to Dynamo instead of ``compiled``."""
@@ -196,6 +241,10 @@ class StepRecorder:
         """End the open step now (e.g. before reading the log)."""
         if self._open is not None and self._open.calls:
             step, self._open = self._open.close(), None
+            if step.eager is not None:
+                self._mode_done = True
+                self._eager_signatures.add(step.signature())
+            self._want_eager = step.signature() not in self._eager_signatures
             self.on_step_end(step)
 
     def _call(self, graph: "RecordedGraph", args: tuple) -> Any:
@@ -204,6 +253,11 @@ class StepRecorder:
         if self._open is None:
             self._open = _OpenStep(self._count)
             self._count += 1
+            mode = self._mode
+            if (mode is not None and mode.owner() is self and not self._mode_done and not mode.armed
+                    and mode in _get_current_dispatch_mode_stack() and not torch._C._autograd._profiler_enabled()):
+                mode.armed = True
+                self._open.eager_mode = mode
         step = self._open
         index = len(step.calls)
         inputs_from, kept, params, shapes = [], [], [], []
@@ -225,9 +279,13 @@ class StepRecorder:
             inputs_from.append(src)
             params.append(a.data_ptr() if leaf else None)
             shapes.append(tuple(a.shape))
-            if src is None and a.grad_fn is not None and type(a.grad_fn).__name__ != COMPILED_BACKWARD:
+            recorded = step.eager_mode is not None and step.eager_mode.made(a)
+            if src is None and a.grad_fn is not None and type(a.grad_fn).__name__ != COMPILED_BACKWARD and not recorded:
                 step.eager.append(f"graph {graph.graph_id} input {i} from {type(a.grad_fn).__name__}")
-        out = graph.compiled(*args)
+        if step.eager_mode is not None:
+            out = step.eager_mode.graph_call(index, args, lambda: graph.compiled(*args))
+        else:
+            out = graph.compiled(*args)
         has_backward = False
         for k, o in enumerate(_flat_outputs(out)):
             if isinstance(o, torch.Tensor):
@@ -237,7 +295,7 @@ class StepRecorder:
                 if node is not None and node._sequence_nr() > step.last_sequence_nr:
                     has_backward = True
                     step.next_sequence_nr = max(step.next_sequence_nr, node._sequence_nr())
-                    node.register_prehook(lambda grads, c=index, s=step: self._backward_starts(s, c))
+                    node.register_prehook(lambda grads, c=index, s=step: self._backward_starts(s, c, grads))
         step.last_sequence_nr = step.next_sequence_nr
         if has_backward:
             step.pending.add(index)
@@ -247,7 +305,7 @@ class StepRecorder:
                                        tuple(first.shape) if isinstance(first, torch.Tensor) else None))
         return out
 
-    def _backward_starts(self, step: _OpenStep, c: int) -> None:
+    def _backward_starts(self, step: _OpenStep, c: int, grads: Sequence[Any] = ()) -> None:
         if step is not self._open:
             # a step already ended (composed, reported): its graph runs backward again
             # (retain_graph and a second backward): the step was not what was composed
@@ -263,6 +321,8 @@ class StepRecorder:
                 f"{step.backward[-1]}, an earlier graph: not autograd's order for one loss.backward()")
         step.backward.append(c)
         step.pending.discard(c)
+        if step.eager_mode is not None:
+            step.eager_mode.backward_starts(c, grads)
         if not step.callback_queued:
             step.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda s=step: self._pass_ends(s))

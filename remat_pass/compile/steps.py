@@ -45,6 +45,7 @@ from .graph_schedule import GraphScheduler
 from .options import BackendOptions
 from .graph_state import (Compiled, GraphState, Plain, Planned, Recorded, liveness_model, record, replan,
                           step_liveness)
+from .eager_recorder import EagerRecording, eager_ops
 from .step_recorder import RecordedStep
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,15 @@ class StepRecords:
             StepRecords with a new dict.
         first_step: the composed report of the first step, as it ran (None before it
             ended).
+        eager: the eager ops recorded in a step of each signature
+            (``RecordedStep.eager``), used for every step of that signature.
     """
 
     log: tuple[StepLogEntry, ...] = ()
     signatures: tuple[tuple, ...] = ()
     composed: Mapping[tuple, StepReport] = dataclasses.field(default_factory=dict)
     first_step: StepReport | None = None
+    eager: Mapping[tuple, EagerRecording] = dataclasses.field(default_factory=dict)
 
     def step_report(self, shape: Sequence[int] | None = None) -> StepReport | None:
         """``RematBackend.step_report``: the latest step's composed report, or the
@@ -102,12 +106,16 @@ class StepRecords:
 class StepEnd:
     """What ``end_step`` ends in: the step records with the step logged, the graphs of
     the step recorded, and the step's composed report (None: not composed) with
-    ``first`` True when it is the first step composed."""
+    ``first`` True when it is the first step composed; ``step``: the recorded step
+    with the eager ops of its signature (``StepRecords.eager``); ``new_eager``: they
+    were recorded in this step."""
 
     records: StepRecords
     recorded: dict[str, Recorded]
     report: StepReport | None
     first: bool
+    step: RecordedStep | None = None
+    new_eager: bool = False
 
 
 def end_step(records: StepRecords, states: Mapping[str, GraphState], rec: RecordedStep,
@@ -117,6 +125,12 @@ def end_step(records: StepRecords, states: Mapping[str, GraphState], rec: Record
     ``rec.problems`` (see ``not_composable``), or a graph of it runs un-rewritten or
     was not recorded."""
     sig = rec.signature()
+    new_eager = rec.eager is not None and sig not in records.eager
+    if new_eager:
+        records = dataclasses.replace(records, eager={**records.eager, sig: rec.eager},
+                                      composed={k: v for k, v in records.composed.items() if k != sig})
+    elif rec.eager is None and sig in records.eager:
+        rec = dataclasses.replace(rec, eager=records.eager[sig])
     first = rec.calls[0] if rec.calls else None
     shapes = tuple(s for s in (first.shapes if first else ()) if isinstance(s, tuple))
     report, note, recorded = records.composed.get(sig), "", {}
@@ -139,7 +153,15 @@ def end_step(records: StepRecords, states: Mapping[str, GraphState], rec: Record
     is_first = report is not None and records.first_step is None
     if is_first:
         records = dataclasses.replace(records, first_step=report)
-    return StepEnd(records, recorded, report, is_first)
+    return StepEnd(records, recorded, report, is_first, rec, new_eager)
+
+
+def eager_unrecorded(rec: RecordedStep) -> bool:
+    """Whether eager code ran around the step's graphs (an input made by an eager
+    autograd op, a last graph whose output 0 is not a loss) and was not recorded
+    (``RecordedStep.eager``): its composition counts the eager ops' place only roughly."""
+    last = rec.calls[-1].first_output_shape if rec.calls else ()
+    return rec.eager is None and bool(rec.eager_inputs or last is None or math.prod(last) != 1)
 
 
 def record_step(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: GraphScheduler
@@ -185,18 +207,24 @@ def compose(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Grap
         summaries.append(CallSummary(label, c.graph_id, p.report.schedule, p.report.layers, c.shapes,
                                      p.report.peak_bytes))
     model = "inductor" if options.compiler == "inductor" else "fx"
-    notes = [f"eager code between graphs ({', '.join(rec.eager_inputs)})"] if rec.eager_inputs else []
+    notes = [f"eager code between graphs ({', '.join(rec.eager_inputs)})"
+             + ("" if rec.eager is not None else ": its ops are recorded from the next step of these shapes on")
+             ] if rec.eager_inputs else []
     last = rec.calls[-1].first_output_shape if rec.calls else ()
-    if last is None or math.prod(last) != 1:
+    eager = None
+    if rec.eager is not None:
+        memory = scheduler.eager_memory_model(rec.eager.ops, states[rec.calls[0].graph_id].planned.allocator)
+        eager = eager_ops(rec.eager, memory, [c.output_tangent for c in calls])
+    elif last is None or math.prod(last) != 1:
         notes.append(f"the last graph's output 0 is not a loss (shape {list(last or [])}): eager code after the "
-                     "compiled graphs computes it, and its ops are not modelled (the output is counted live to "
-                     "the end of the step in their place)")
+                     "compiled graphs computes it; its ops are recorded from the next step of these shapes on "
+                     "(here the output is counted live to the end of the step in their place)")
     if model == "inductor" and (steps or fx or any(liveness_model(states[c.graph_id], options) == "fx"
                                              for c in rec.calls)):
         model = "fx"
         if not steps and not fx:
             notes.append("Inductor's code was not captured; the fx graphs are used")
-    return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes, rec.held)
+    return build_step_report(rec.index, model, calls, summaries, rec.backward_order, notes, rec.held, eager)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,8 +111,16 @@ def wrapped_numbers(func: Any, args: tuple, kwargs: dict) -> dict[str, int]:
     return out
 
 
-class _Recorder(TorchDispatchMode):
-    """The dispatch mode of ``record_eager_step`` (see the module docstring)."""
+class OpRecorder(TorchDispatchMode):
+    """The dispatch mode of ``record_eager_step`` (see the module docstring): every op
+    it sees becomes a node, every storage an op makes a record ``[nbytes,
+    allocated_at, output, freed_before, node]``; ``freed_before`` is the ``clock()``
+    of the first poll that found it dead (the index of the op about to run; a subclass
+    may count other events too).
+
+    Args:
+        shadow: the fake mode the nodes' stand-in values are made in.
+    """
 
     def __init__(self, shadow: FakeTensorMode):
         super().__init__()
@@ -183,9 +191,13 @@ class _Recorder(TorchDispatchMode):
             self.pending = None
         for key in [k for k, (ref, _) in self.alive.items() if ref.expired()]:
             _, sid = self.alive.pop(key)
-            self.records[sid][3] = len(self.ops)
+            self.records[sid][3] = self.clock()
         for key in [k for k, ref in self.static.items() if ref.expired()]:
             del self.static[key]
+
+    def clock(self) -> int:
+        """The time stamp a storage found dead now gets: the index of the next op."""
+        return len(self.ops)
 
     def _saved_wrapped_numbers(self, node: fx.Node, out: Any, wrapped: dict[str, int], index: int) -> None:
         """The wrapped numbers of op ``index`` that its autograd node saved: storages of
@@ -334,7 +346,7 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
     args, kwargs = split_inputs(inputs)
     args, kwargs = tree_map(lambda x: (converter.convert([x])[0] if x.is_meta else fake.from_tensor(x))
                             if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    recorder = _Recorder(FakeTensorMode(allow_non_fake_inputs=True))
+    recorder = OpRecorder(FakeTensorMode(allow_non_fake_inputs=True))
     get_rng_state = torch.get_rng_state
 
     def stashed_rng_state() -> torch.Tensor:

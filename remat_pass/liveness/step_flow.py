@@ -43,10 +43,20 @@ AOTAutograd's runtime, ``torch/_functorch/_aot_autograd/runtime_wrappers.py``):
    tensor under dynamic shapes) lives from the call to its last read in the graph
    (in its backward when it is saved).
 
-Not modelled (listed in ``StepFlow.notes`` when seen): eager autograd ops between
-graphs, an output read by two graphs' backwards (autograd sums the gradients), and
-held outputs kept past the step: a loop that rebinds ``out`` only when the next
-forward returns holds them through that forward (the note gives their bytes).
+9. Eager ops the step ran around its graphs, when recorded (``EagerOps``, from
+   ``compile.eager_recorder``): each run of them is a phase of its own (after a
+   graph's forward, before a graph's backward, after the last one), each storage they
+   allocate lives from its op to where it was found dead (an eager op, or a graph's
+   last read of it as an input or tangent); a graph output lives at least to the last
+   eager op it was seen alive at; a tangent an eager op gave is theirs (rules 4 and 5
+   do not count it), and one given not contiguous (the expanded ``ones`` of a
+   ``sum``'s backward) is copied by AOTAutograd, live in that graph's backward; with
+   an eager loss no graph output is the loss (rule 5).
+
+Not modelled (listed in ``StepFlow.notes`` when seen): eager ops not recorded (the
+first step of a signature), an output read by two graphs' backwards (autograd sums the
+gradients), and held outputs kept past the step: a loop that rebinds ``out`` only when
+the next forward returns holds them through that forward (the note gives their bytes).
 """
 
 from __future__ import annotations
@@ -172,22 +182,101 @@ class StepFlow:
     notes: tuple[str, ...]
 
 
-class _Places:
-    """Local steps of each call -> places in the step's phases."""
+EAGER = "eager"  # the graph name of the phases and tensors of the eager ops of a step
 
-    def __init__(self, calls: Sequence[GraphCall], backward_order: Sequence[int]):
+
+@dataclasses.dataclass(frozen=True)
+class EagerSegment:
+    """Eager ops of a step that ran one after another, with no graph between them.
+
+    Attributes:
+        position: ``("forward", c)``: after call c's forward (before the next call's, or
+            before backward); ``("backward", c)``: before call c's backward starts;
+            ``("end",)``: after the last compiled backward.
+        ops: what runs at each step (the ops' names).
+        scratch: per op, the bytes it uses only while it runs (its scratch, the
+            wrapped numbers of its Python scalars).
+    """
+
+    position: tuple
+    ops: tuple[str, ...]
+    scratch: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerTensor:
+    """A storage an eager op of the step allocated: from its op (``("eager",
+    position, slot)``) to the last place it was live (an ``_Places.eager_place``)."""
+
+    name: str
+    kind: str
+    nbytes: Any
+    start: tuple
+    end: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerOps:
+    """What the eager code of a step did between and around its compiled graphs, as
+    recorded while it ran (``compile.eager_recorder``).
+
+    Attributes:
+        segments: the runs of eager ops, each a phase of the step.
+        tensors: the storages the eager ops allocated.
+        output_ends: ``((call, output), place)``: the last place a graph output was
+            seen alive (eager code read it, or held it): its end is at least there.
+        tangents: ``(call, tangent)`` of each tangent of a graph's backward that an
+            eager op made (a gradient of the eager loss, the loss tangent): counted in
+            ``tensors``, not by rules 4 and 5.
+        made_inputs: ``(call, primal)`` of inputs that recorded eager ops made (counted
+            in ``tensors``, not by rule 8).
+        loss_eager: the backward's root is not a graph output (an eager loss).
+        copied: ``(call, tangent)`` of tangents an eager op gave in a layout the graph
+            was not traced for (not contiguous): AOTAutograd's copy lives from the
+            start of that graph's backward to its last read there.
+    """
+
+    segments: tuple[EagerSegment, ...]
+    tensors: tuple[EagerTensor, ...]
+    output_ends: tuple[tuple[tuple[int, int], tuple], ...] = ()
+    tangents: frozenset[tuple[int, int]] = frozenset()
+    made_inputs: frozenset[tuple[int, int]] = frozenset()
+    loss_eager: bool = False
+    copied: frozenset[tuple[int, int]] = frozenset()
+
+
+class _Places:
+    """Local steps of each call -> places in the step's phases (the eager ops' phases,
+    ``EagerOps.segments``, between them)."""
+
+    def __init__(self, calls: Sequence[GraphCall], backward_order: Sequence[int], eager: "EagerOps | None" = None):
         self.calls = calls
-        self.phases = [Phase(c.label, "forward", c.graph.forward_steps,
-                             c.graph.step_layers[: len(c.graph.forward_steps)]) for c in calls]
+        segments = {s.position: s for s in (eager.segments if eager is not None else ())}
+        self.phases: list[Phase] = []
+        self.fw_phase: dict[int, int] = {}
         self.bw_phase: dict[int, int] = {}
+        self.eager_phase: dict[tuple, int] = {}
+        for c, call in enumerate(calls):
+            self.fw_phase[c] = len(self.phases)
+            self.phases.append(Phase(call.label, "forward", call.graph.forward_steps,
+                                     call.graph.step_layers[: len(call.graph.forward_steps)]))
+            self._eager(segments.get(("forward", c)), "forward")
+        self.forward_end = self.end(self.fw_phase[len(calls) - 1]) if calls else Place(0, 0)
         for c in backward_order:
+            self._eager(segments.get(("backward", c)), "backward")
             self.bw_phase[c] = len(self.phases)
             g = calls[c].graph
             self.phases.append(Phase(calls[c].label, "backward", g.backward_steps,
                                      g.step_layers[len(g.forward_steps):]))
-        self.forward_end = self.end(len(calls) - 1)
+        self._eager(segments.get(("end",)), "backward")
         self.step_end = self.end(len(self.phases) - 1)
-        self.first_backward = Place(len(calls), 0) if backward_order else self.step_end
+        first = len(calls) + sum(1 for pos in self.eager_phase if pos[0] == "forward")
+        self.first_backward = Place(first, 0) if first < len(self.phases) else self.step_end
+
+    def _eager(self, segment: "EagerSegment | None", kind: str) -> None:
+        if segment is not None:
+            self.eager_phase[segment.position] = len(self.phases)
+            self.phases.append(Phase(EAGER, kind, segment.ops, (), segment.scratch, "eager scratch"))
 
     def end(self, phase: int) -> Place:
         return Place(phase, self.phases[phase].num_slots - 1)
@@ -196,20 +285,41 @@ class _Places:
         """Local step ``i`` of call ``c``; a backward step of a call whose backward did
         not run maps to the end of its forward."""
         nf = len(self.calls[c].graph.forward_steps)
+        f = self.fw_phase[c]
         if i < 0:
-            return Place(c, 0)
+            return Place(f, 0)
         if i < nf:
-            return Place(c, i)
+            return Place(f, i)
         if c in self.bw_phase:
             p = self.bw_phase[c]
             return Place(p, min(i - nf, self.phases[p].num_slots - 1))
-        return self.end(c)
+        return self.end(f)
+
+    def eager_place(self, where: tuple) -> Place:
+        """An ``EagerOps`` place: ``("eager", position, slot)``, ``("forward_end", c)``,
+        ``("backward_end", c)``, ``("input", c, primal)`` (its last read in call c),
+        ``("tangent", c, t)`` (its last read in c's backward) or ``("step_end",)``."""
+        kind = where[0]
+        if kind == "eager":
+            return Place(self.eager_phase[where[1]], where[2])
+        if kind == "step_end":
+            return self.step_end
+        c = where[1]
+        g = self.calls[c].graph
+        if kind == "input" and where[2] < len(g.input_last) and g.input_last[where[2]] >= 0:
+            return self.local(c, g.input_last[where[2]])
+        if kind == "tangent" and c in self.bw_phase and where[2] < len(g.tangent_last) and g.tangent_last[where[2]] >= 0:
+            return self.local(c, g.tangent_last[where[2]])
+        if kind in ("backward_end", "tangent") and c in self.bw_phase:
+            return self.end(self.bw_phase[c])
+        return self.end(self.fw_phase[c])
 
 
 def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
               loss: tuple[int, int] | None = None,
-              held: Sequence[tuple[int, int]] = ()) -> StepFlow:
-    """The phases and tensors of a step of several graph calls (rules 1-8 above).
+              held: Sequence[tuple[int, int]] = (), eager: EagerOps | None = None) -> StepFlow:
+    """The phases and tensors of a step of several graph calls (rules 1-9 above), and
+    of the eager ops around them (``eager``).
 
     Args:
         calls: the graph calls in the order their forwards ran.
@@ -218,6 +328,10 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
             on; default: output 0 of the last call.
         held: ``(call, output)`` of the outputs the caller still held when the backward
             pass ended (``step_recorder.RecordedStep.held``): live to the end of the step.
+        eager: the eager ops recorded in the step (None: not recorded): their phases
+            between the graphs' and their storages; a graph output lives at least to
+            where it was last seen alive, and the tangents and inputs they made are
+            theirs.
 
     Returns:
         The StepFlow (``composition.compose_step`` turns it into the timeline).
@@ -228,7 +342,9 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
     if len(set(backward_order)) != len(backward_order) or any(not 0 <= c < len(calls) for c in backward_order):
         raise ValueError(f"backward_order {list(backward_order)} must name distinct calls of 0..{len(calls) - 1}")
     loss = loss if loss is not None else (len(calls) - 1, 0)
-    at = _Places(calls, backward_order)
+    if eager is not None and eager.loss_eager:
+        loss = (-1, -1)  # no graph output is the loss
+    at = _Places(calls, backward_order, eager)
     consumers: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for h, call in enumerate(calls):
         for pi, src in enumerate(call.inputs_from):
@@ -246,9 +362,12 @@ def step_flow(calls: Sequence[GraphCall], backward_order: Sequence[int],
                   for c, call in enumerate(calls) if c not in at.bw_phase and call.graph.backward_steps]
     tensors: list[SpanTensor] = []
     for c, call in enumerate(calls):
-        tensors += _call_tensors(c, calls, at, consumers, loss, frozenset(held))
+        tensors += _call_tensors(c, calls, at, consumers, loss, frozenset(held), eager)
         if c in at.bw_phase:
-            tensors += _tangents(c, calls, at, consumers, loss)
+            tensors += _tangents(c, calls, at, consumers, loss, eager)
+    for e in eager.tensors if eager is not None else ():
+        start = at.eager_place(e.start)
+        tensors.append(SpanTensor(e.name, EAGER, e.kind, e.nbytes, start, max(start, at.eager_place(e.end))))
     kept = [t for t in tensors if t.kind == "held output"]
     if kept:
         notes.append(f"the caller held {len(kept)} output(s) after backward ({_total(kept)} bytes, counted live to "
@@ -264,9 +383,13 @@ def _total(tensors: Sequence[SpanTensor]) -> Any:
 
 def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
                   consumers: dict[tuple[int, int], list[tuple[int, int]]],
-                  loss: tuple[int, int], held: frozenset[tuple[int, int]]) -> list[SpanTensor]:
-    """The call's own storages, re-timed where they cross (rules 1, 2, 3, 5-8)."""
+                  loss: tuple[int, int], held: frozenset[tuple[int, int]],
+                  eager: EagerOps | None) -> list[SpanTensor]:
+    """The call's own storages, re-timed where they cross (rules 1, 2, 3, 5-8) and
+    where the eager ops were seen to hold them."""
     call, g = calls[c], calls[c].graph
+    seen = {k: at.eager_place(w) for (cc, k), w in (eager.output_ends if eager is not None else ()) if cc == c}
+    made_eagerly = eager.made_inputs if eager is not None else frozenset()
     outputs: dict[int, list[int]] = {}
     for k, j in enumerate(call.output_joint):
         sid = g.output_sids[j] if j is not None and j < len(g.output_sids) else None
@@ -297,8 +420,11 @@ def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
                     if last >= 0:
                         end = max(end, at.local(h, last))
                 kind = "crossing" if cons else "dropped output"
+                for k in ks:
+                    if k in seen:
+                        end, kind = max(end, seen[k]), kind if cons else "eager input"
         elif sid in joint_outputs:
-            end = max(end, at.end(c))
+            end = max(end, at.end(at.fw_phase[c]))
         elif sid in gradients:
             pi = gradients[sid]
             src = call.inputs_from[pi]
@@ -316,20 +442,28 @@ def _call_tensors(c: int, calls: Sequence[GraphCall], at: _Places,
         out.append(SpanTensor(s.name, call.label, kind, s.nbytes, start, end, s.layer))
     for pi, nbytes in g.made_inputs:  # made by Dynamo's frame just before the call
         last = g.input_last[pi] if pi < len(g.input_last) else -1
-        out.append(SpanTensor(f"input {pi}", call.label, "made input", nbytes, Place(c, 0),
-                              at.local(c, last) if last >= 0 else Place(c, 0)))
+        if (c, pi) in made_eagerly:  # the eager recording counts it
+            continue
+        out.append(SpanTensor(f"input {pi}", call.label, "made input", nbytes, at.local(c, 0),
+                              at.local(c, last) if last >= 0 else at.local(c, 0)))
     return out
 
 
 def _tangents(c: int, calls: Sequence[GraphCall], at: _Places,
               consumers: dict[tuple[int, int], list[tuple[int, int]]],
-              loss: tuple[int, int]) -> list[SpanTensor]:
+              loss: tuple[int, int], eager: EagerOps | None) -> list[SpanTensor]:
     """The tangents autograd makes for the call's backward (rules 4 and 5); a tangent
-    that a later graph's backward provides is that graph's ``passed gradient``."""
+    that a later graph's backward provides is that graph's ``passed gradient``, one an
+    eager op made is the eager recording's."""
     call, g = calls[c], calls[c].graph
     out = []
     for t, nbytes in enumerate(g.tangent_nbytes):
-        if not nbytes:
+        if not nbytes or (eager is not None and (c, t) in eager.tangents):
+            continue
+        if eager is not None and (c, t) in eager.copied:
+            start, last = Place(at.bw_phase[c], 0), g.tangent_last[t]
+            out.append(SpanTensor(f"tangent {t}", call.label, "copied tangent", nbytes, start,
+                                  max(start, at.local(c, last)) if last >= 0 else start))
             continue
         ks = [k for k, tt in enumerate(call.output_tangent) if tt == t]
         name = f"tangent {t}"

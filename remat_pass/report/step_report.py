@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from ..formatting import fmt_bytes, markdown_table, mib
 from .schedule_report import SCHEMA_VERSION
 from ..liveness.composition import ComposedStep, SpanTensor, compose_step
-from ..liveness.step_flow import GraphCall, step_flow
+from ..liveness.step_flow import EagerOps, GraphCall, step_flow
 
 # kinds of tensors that exist because the step runs as several graphs (step_flow rules)
 CROSSING_KINDS = ("crossing", "passed gradient", "zero tangent")
@@ -120,7 +120,8 @@ def _tensor_json(t: SpanTensor) -> dict[str, Any]:
 
 def build_step_report(step_index: int, model: str, calls: Sequence[GraphCall],
                       summaries: Sequence[CallSummary], backward_order: Sequence[int],
-                      notes: Sequence[str] = (), held: Sequence[tuple[int, int]] = ()) -> StepReport:
+                      notes: Sequence[str] = (), held: Sequence[tuple[int, int]] = (),
+                      eager: EagerOps | None = None) -> StepReport:
     """Compose a step's graph calls (concrete sizes) into its StepReport.
 
     Args:
@@ -131,11 +132,12 @@ def build_step_report(step_index: int, model: str, calls: Sequence[GraphCall],
         backward_order: indices of the calls whose backward ran, in run order.
         notes: what the caller already knows is not modelled (eager inputs, ...).
         held: ``(call, output)`` the caller still held after backward (``step_flow``).
+        eager: the eager ops recorded around the graphs (``step_flow.EagerOps``).
 
     Raises:
         ValueError: as ``step_flow.step_flow`` / ``composition.compose_step``.
     """
-    flow = step_flow(calls, backward_order, held=held)
+    flow = step_flow(calls, backward_order, held=held, eager=eager)
     composed = compose_step(flow.phases, flow.tensors)
     return StepReport(step_index, model, tuple(summaries), tuple(calls[c].label for c in backward_order),
                       composed, tuple(notes) + flow.notes)
