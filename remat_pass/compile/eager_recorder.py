@@ -24,8 +24,13 @@ when a step's backward returns, a recorder that wants the next step recorded pus
 mode, and it records from that step's first graph call to the end of its backward, then
 is popped when that backward returns. The mode declares ``ignore_compile_internals``,
 so Dynamo compiles and runs graphs under it as without it (no recompile). So the first
-step of a signature is composed without its eager ops, and the next step of that
-signature records them (``StepRecorder``).
+step of a signature is composed without its eager ops, and a later step records them
+(``StepRecorder``). At most one such mode is pushed in a process (a backend whose next
+step never comes leaves one behind, passing every op through; the next backend takes
+it over; ``release_modes`` pops it). No step is recorded while a profiler runs:
+recording under ``torch.profiler`` crashed kineto's trace processing
+(``GenericActivityProfiler::processTraceInternal``, a segmentation fault at
+``prof.stop()``) in this project's test suite.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from .eager_recorder import EagerRecording, EagerStepMode, install_backward_hook, pop, push
 
 COMPILED_BACKWARD = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function node
+EAGER_TRIES = 4  # steps recorded for other signatures before one that waits is given up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +193,11 @@ class StepRecorder:
         on_problem: called with a message when a step that already ended turns out not
             to be composable (a backward through its graphs runs again); may raise.
         record_eager: also record the eager ops around the graphs
-            (``eager_recorder``) in the second step of each signature (the first step
-            of a signature tells which graphs it has; the mode is pushed when its
-            backward returns).
+            (``eager_recorder``) once per signature: the mode is pushed when a step's
+            backward returns while a signature seen has not been recorded, and records
+            the next step (a step of another signature, e.g. the other microbatch of
+            gradient accumulation, is recorded too; a signature still unrecorded after
+            ``EAGER_TRIES`` such steps is given up).
     """
 
     def __init__(self, on_step_end: Callable[[RecordedStep], None],
@@ -206,6 +209,7 @@ class StepRecorder:
         self._mode: EagerStepMode | None = None  # pushed, recording (armed) or waiting for a step
         self._mode_done = False
         self._eager_signatures: set[tuple] = set()
+        self._unrecorded: dict[tuple, int] = {}  # signatures seen, not recorded: steps recorded since
         self._want_eager = False
         if record_eager:
             install_backward_hook(self)
@@ -241,10 +245,17 @@ class StepRecorder:
         """End the open step now (e.g. before reading the log)."""
         if self._open is not None and self._open.calls:
             step, self._open = self._open.close(), None
+            sig = step.signature()
             if step.eager is not None:
                 self._mode_done = True
-                self._eager_signatures.add(step.signature())
-            self._want_eager = step.signature() not in self._eager_signatures
+                if sig in self._eager_signatures:  # recorded again: the signatures waiting missed a step
+                    self._unrecorded = {k: n + 1 for k, n in self._unrecorded.items()}
+                self._eager_signatures.add(sig)
+                self._unrecorded.pop(sig, None)
+            elif sig not in self._eager_signatures:
+                self._unrecorded.setdefault(sig, 0)
+            # record the next step while a signature seen waits (each for EAGER_TRIES recorded steps)
+            self._want_eager = any(n < EAGER_TRIES for n in self._unrecorded.values())
             self.on_step_end(step)
 
     def _call(self, graph: "RecordedGraph", args: tuple) -> Any:

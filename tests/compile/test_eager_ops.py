@@ -208,3 +208,28 @@ def test_one_mode_at_a_time_and_a_later_backend_takes_it_over():
     assert len([m for m in _get_current_dispatch_mode_stack() if isinstance(m, EagerStepMode)]) <= 1
     release_modes()
     assert not _get_current_dispatch_mode_stack()
+
+
+def test_gradient_accumulation_records_both_microsteps():
+    """Two microbatches per optimizer step: the first steals its gradients into
+    ``.grad``, the second adds into them (two signatures). Each is recorded once; from
+    then on both are predicted to the byte."""
+    torch.manual_seed(0)
+    model = Head()
+    ids = _ids()
+    b = remat_pass.backend("uniform", 1)
+    f = torch.compile(model, backend=b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = None
+            _cross_entropy(f, ids)
+            _cross_entropy(f, ids)
+        for p in model.parameters():
+            p.grad = None
+        stolen = profiled_peak_cpu(lambda: _cross_entropy(f, ids))[0]
+        assert b.step_report().peak_bytes == stolen
+        added = profiled_peak_cpu(lambda: _cross_entropy(f, ids))[0]
+        assert b.step_report().peak_bytes == added
+    assert [e.peak_bytes for e in b.step_log[2:6]] == [stolen, added] * 2
