@@ -35,7 +35,7 @@ from ..graph.regions import find_layer_stacks
 from ..liveness.eager_program import EagerPeak, eager_peak, op_name
 from ..liveness.timeline import MemoryReport
 from ..measure.allocator_events import profiled_peak_cpu
-from ..models.megatron import is_megatron_core
+from ..models.megatron import is_megatron_core, megatron_crashes_on
 from ..memory.calibration import Calibrator
 from ..memory.memory_model import MemoryModel
 from ..recompute.rewrite import RewrittenStep
@@ -169,10 +169,17 @@ def megatron_recompute(model: nn.Module, schedule: Schedule) -> Iterator[nn.Modu
     Megatron's reentrant ``CheckpointFunction``) while the block is entered, restored after.
 
     Raises:
-        RematError: a schedule that is not none / uniform / block.
+        RematError: a schedule that is not none / uniform / block; uniform K that does
+            not divide the stack's layers, which Megatron-Core itself cannot run
+            (``models.megatron.megatron_crashes_on``: its last chunk indexes past the
+            last layer).
     """
     if schedule.method not in ("none", "uniform", "block"):
         raise RematError(f"Megatron-Core runs --recompute-method uniform or block, not {schedule.provenance}")
+    if megatron_crashes_on([schedule]):
+        raise RematError(f"Megatron-Core cannot run {schedule.provenance} on {schedule.num_layers} layers: "
+                         "TransformerBlock._checkpointed_forward's last chunk goes past the last layer (IndexError); "
+                         "a uniform K must divide the layers per stage")
     configs = {id(m.config): m.config for m in model.modules() if type(m).__name__ == "TransformerBlock"}
     fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
     saved = {k: tuple(getattr(c, f) for f in fields) for k, c in configs.items()}

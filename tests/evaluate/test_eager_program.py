@@ -223,3 +223,23 @@ def test_megatron_core_own_recompute_is_predicted_to_the_byte():
         r = eager_program(model, inputs, loss_fn, sch, layers="decoder.layers")
         assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r)
     assert model.decoder.config.recompute_granularity is None
+
+
+@pytest.mark.usefixtures("megatron_torn_down")
+def test_megatron_core_uniform_k_that_does_not_divide_the_layers_is_refused(capsys):
+    """uniform(K=3) at L = 4: Megatron-Core's own _checkpointed_forward raises IndexError
+    on it, so the eager program refuses it by name, and ``sweep --program eager`` lists it
+    as not run instead of ending in Megatron's traceback (it did at L = 8, K = 3)."""
+    pytest.importorskip("megatron.core")
+    from remat_pass import cli
+    from remat_pass.models.megatron import megatron_gpt
+
+    model, inputs, loss_fn = megatron_gpt(layers=4, hidden=64, heads=4, seq=32, batch=2, vocab=128, dropout=0.0)
+    with pytest.raises(RematError, match=r"cannot run uniform\(K=3\) on 4 layers"):
+        eager_program(model, inputs, loss_fn, schedules.uniform(3, 4), layers="decoder.layers")
+    assert model.decoder.config.recompute_granularity is None
+    rc = cli.main(["sweep", "--model", "remat_pass.models.megatron:megatron_gpt", "--layers", "4",
+                   "--program", "eager"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "not run eagerly (1 settings): uniform(K=3): Megatron-Core cannot run" in out
