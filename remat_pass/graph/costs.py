@@ -160,11 +160,21 @@ def _functional_op(node: fx.Node) -> str | None:
 
 
 def run_alias_of(node: fx.Node) -> fx.Node | None:
-    """The input whose storage ``node``'s output is at run time although the op's
-    schema declares no alias: ``wait_tensor(x)`` returns ``x`` itself (the collective's
-    output), while its FakeTensor has a storage of its own."""
-    if _functional_op(node) == "wait_tensor" and node.args and isinstance(node.args[0], fx.Node):
+    """The input whose storage ``node``'s output is at run time while its FakeTensor
+    has a storage of its own: ``wait_tensor(x)`` returns ``x`` itself (the collective's
+    output); an in-place aten op (``mul_(x, y)``, whose schema writes and returns its
+    first argument: ``recompute.reinplace``) returns ``x``."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if _functional_op(node) == "wait_tensor":
         return node.args[0]
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        args, returns = target._schema.arguments, target._schema.returns
+        first = args[0].alias_info if args else None
+        out = returns[0].alias_info if len(returns) == 1 else None
+        if first is not None and first.is_write and out is not None and out.before_set == first.before_set:
+            return node.args[0]
     return None
 
 

@@ -32,6 +32,7 @@ from ..graph.costs import RNG_STATE_BYTES, is_mutating, is_random
 from ..errors import InvalidSchedule, UnsupportedGraph
 from ..graph.op_signature import REAL_LAYOUT, RealLayout
 from .partition import Partition, Segment, partition
+from .reinplace import reinplace
 from ..graph.regions import LayerStack
 from .schedule import Schedule
 from ..graph.trace import JointGraph, RealLayouts
@@ -159,7 +160,7 @@ def _check(joint: JointGraph, stack: LayerStack, p: Partition) -> None:
 
 
 def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule,
-            layouts: Mapping[str, RealLayout] = RealLayouts()) -> RewrittenStep:
+            layouts: Mapping[str, RealLayout] = RealLayouts(), in_place: bool = True) -> RewrittenStep:
     """Build the forward and backward graphs that apply ``decision``.
 
     Args:
@@ -172,6 +173,10 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
             that joint node's value (``node.meta[op_signature.REAL_LAYOUT]``), where
             op signatures, the memory model and calibration read it. Default: none
             (the traced layouts). The result depends on the arguments alone.
+        in_place: restore in-place reuse where the functional trace removed it and it
+            is safe (``reinplace.reinplace``: a value nobody reads later is written
+            over, as eager code does). False: every op allocates, as traced (a graph
+            handed to another compiler, which reinplaces by its own rules).
 
     Returns:
         The RewrittenStep. Its gradients equal the joint graph's bit for bit (same ops on
@@ -186,7 +191,10 @@ def rewrite(joint: JointGraph, stack: LayerStack, decision: Partition | Schedule
     """
     p = decision if isinstance(decision, Partition) else partition(joint, stack, decision)
     _check(joint, stack, p)
-    return _Builder(joint, stack, p, layouts).build()
+    step = _Builder(joint, stack, p, layouts).build()
+    if in_place:
+        reinplace(step)
+    return step
 
 
 def _bare_node(graph: fx.Graph, op: str, target: Any, args: tuple, kwargs: dict, name: str,
