@@ -53,6 +53,13 @@ class GraphScheduler:
         self.options = options
         self._calibrator: Calibrator | None = None
 
+    @property
+    def in_place(self) -> bool:
+        """Whether graphs are rewritten with in-place reuse (``rewrite.rewrite``): not
+        under ``compiler="inductor"``, which takes functional graphs and reinplaces them
+        by its own rules (its scheduler fails on the in-place ops of a rewritten graph)."""
+        return self.options.compiler != "inductor"
+
     def memory_model(self, step: Any, allocator: str) -> MemoryModel:
         """The memory model of a concrete step: op scratch calibrated on this CPU
         (``calibrate`` option; the table for a CUDA allocator), else the table only."""
@@ -74,7 +81,7 @@ class GraphScheduler:
     def predict(self, joint: JointGraph, stack: LayerStack, schedule: schedules.Schedule | Partition,
                 allocator: str) -> MemoryReport:
         """The predicted report of ``schedule`` on the graph at its example sizes."""
-        concrete = concrete_step(rewrite(joint, stack, schedule))[0]
+        concrete = concrete_step(rewrite(joint, stack, schedule, in_place=self.in_place))[0]
         return analyze(concrete, memory=self.memory_model(concrete, allocator))
 
     def optimized(self, joint: JointGraph, stack: LayerStack, graph_id: str, frame_id: Any, partial: bool,

@@ -322,7 +322,7 @@ def plan(captured: Captured, joint_gm: fx.GraphModule, num_fwd_outputs: int, sta
         sched = scheduler.optimized(joint, stack, info.graph_id, info.frame_id, info.partial, allocator, earlier)
     else:
         sched = options.make_schedule(stack.layers_per_stack if stack.stack_spans else stack.num_layers)
-    step = rewrite(joint, stack, sched)
+    step = rewrite(joint, stack, sched, in_place=scheduler.in_place)
     report = graph_report(info, step, stack, joint, num_fwd_outputs, allocator, scheduler,
                           time.perf_counter() - start)
     return Planned(captured, joint, tuple(mutations), stack, allocator, step, static,

@@ -380,7 +380,7 @@ def _layer_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: 
     graphs = {c.graph_id: states[c.graph_id] for c in rec.calls}
     current = {gid: g.planned.step.schedule for gid, g in graphs.items() if isinstance(g, Recorded)}
     planned = [WholeLayerGraph(gid, Planner(g.planned.joint, g.planned.stack, _graph_predict(g.planned, scheduler)),
-                               current[gid])
+                               current[gid], scheduler.in_place)
                for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.stack.num_layers]
     if not planned:
         return None
@@ -403,7 +403,7 @@ def _op_plan(states: Mapping[str, GraphState], rec: RecordedStep, scheduler: Gra
     choices the graphs were planned with alone (``Planned.op_plan``); None when no graph
     has one."""
     graphs = {c.graph_id: states[c.graph_id] for c in rec.calls}
-    planned = [OpLevelGraph(gid, g.planned.op_plan.planner, g.planned.op_plan.solution)
+    planned = [OpLevelGraph(gid, g.planned.op_plan.planner, g.planned.op_plan.solution, scheduler.in_place)
                for gid, g in graphs.items() if isinstance(g, Recorded) and g.planned.op_plan is not None]
     if not planned:
         return None

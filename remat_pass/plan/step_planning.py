@@ -69,11 +69,14 @@ class WholeLayerGraph:
         planner: its layer-level planner (calibrated on the graph alone; only its chain
             model and decisions are used).
         current: the schedule it runs now (the one its compiled step holds).
+        in_place: rewrite with in-place reuse (``rewrite.rewrite``'s ``in_place``; False
+            for a graph Inductor compiles).
     """
 
     graph_id: str
     planner: Planner
     current: Schedule
+    in_place: bool = True
     start_from_least: ClassVar[bool] = True
 
     def key(self, choice: Schedule) -> Hashable:
@@ -86,7 +89,8 @@ class WholeLayerGraph:
 
     def rewritten(self, choice: Schedule) -> RewrittenStep | None:
         """The graph rewritten by ``choice`` (None: ``current``, its compiled step)."""
-        return None if choice == self.current else rewrite(self.planner.joint, self.planner.stack, choice)
+        return None if choice == self.current else rewrite(self.planner.joint, self.planner.stack, choice,
+                                                           in_place=self.in_place)
 
     def least_candidates(self, peak_with: PeakWith) -> list[Schedule]:
         """The chain model's least feasible schedule (checked on the step) and uniform K=1."""
@@ -115,11 +119,13 @@ class OpLevelGraph:
         planner: its op-level planner (calibrated on the graph alone).
         current: its current choice (a Solution of ``planner.costs``: groups, per-layer
             options, model peak and recompute cost).
+        in_place: as ``WholeLayerGraph.in_place``.
     """
 
     graph_id: str
     planner: OpPlanner
     current: Solution
+    in_place: bool = True
     start_from_least: ClassVar[bool] = False
 
     def key(self, choice: Solution) -> Hashable:
@@ -132,7 +138,7 @@ class OpLevelGraph:
 
     def rewritten(self, choice: Solution) -> RewrittenStep:
         """The graph rewritten by ``choice``."""
-        return rewrite(self.planner.joint, self.planner.stack, self.decision(choice))
+        return rewrite(self.planner.joint, self.planner.stack, self.decision(choice), in_place=self.in_place)
 
     def least_candidates(self, peak_with: PeakWith) -> list[Solution]:
         """The chain model's least feasible choice, checked on the step."""
