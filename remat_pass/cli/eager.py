@@ -59,7 +59,9 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     """The eager program's rows under the sweep's table. Returns ``(exact, rows)``: exact is
     False when an eager row's prediction differs from its measurement; rows are the
     JSON rows (``sweep_schema.json`` ``eager_program``: schedule, predicted and measured
-    peak bytes of the eager program, the rewrite's predicted peak bytes, notes)."""
+    peak bytes of the eager program, the rewrite's predicted peak bytes, notes, the
+    difference by op, and what the rewrite's in-place reuse saves in bytes: its
+    predicted peak without ``recompute/reinplace`` minus with it)."""
     step = w.step
     if len(step.stack.stacks) > 1:
         print(f"--program eager: {len(step.stack.stacks)} layer stacks; the eager program is recorded for one "
@@ -92,19 +94,23 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
         by_op = peak_difference_by_op(e.predicted, rewrite_live_by_op(*w.session.prepare(sched, w.allocator)[:2]))
         causes.append((sched.provenance, by_op))
+        reuse = w.session.prepare(sched, w.allocator, in_place=False)[1].peak_bytes - r.predicted_peak_bytes
         measured = "not run" if e.measured_peak_bytes is None else mib(e.measured_peak_bytes)
         doc.append({"schedule": sched.provenance, "predicted_peak_bytes": e.predicted.peak_bytes,
                     "measured_peak_bytes": e.measured_peak_bytes, "rewrite_predicted_peak_bytes": r.predicted_peak_bytes,
                     "peak_op": e.predicted.peak_op, "notes": list(e.predicted.notes),
-                    "difference_by_op": dict(by_op)})
+                    "difference_by_op": dict(by_op), "in_place_reuse_bytes": reuse})
         rows.append([sched.provenance, mib(e.predicted.peak_bytes), measured,
-                     mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)"])
+                     mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)",
+                     mib(reuse)])
     how = ("Megatron-Core's own recompute (TransformerConfig recompute_method)" if own_loop else
            "torch.utils.checkpoint per recomputed layer or group of layers"
            + (", reentrant" if args.reentrant else ""))
     print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
-                      "rewrite - eager MiB"], rows))
+                      "rewrite - eager MiB", "in-place reuse saves MiB"], rows))
+    print("note (in-place reuse saves): the rewrite's predicted peak without its in-place ops (the functional "
+          "trace, every op a new storage) minus with them (recompute/reinplace)")
     print_difference_by_op(causes)
     for note, counts in notes.items():
         which = "every setting" if len(counts) == len(rows) else f"{len(counts)} of {len(rows)} settings"

@@ -275,9 +275,11 @@ class Session:
         return self._eager_param_grads
 
     def prepare(
-        self, schedule: Schedule | Partition, allocator: str = "cpu"
+        self, schedule: Schedule | Partition, allocator: str = "cpu", in_place: bool = True
     ) -> tuple[RewrittenStep, MemoryReport, float]:
         """Rewrite and predict: ``(step, report, seconds)``; see ``liveness.analyze``.
+        ``in_place`` as ``rewrite.rewrite`` (False: the functional trace's allocations,
+        every op a new storage).
 
         ``schedule`` may be a Partition (an op-level policy). The rewrite takes
         ``real_layouts`` (so the first call runs the un-rewritten step once when
@@ -290,7 +292,7 @@ class Session:
                 real tensors (``check_runs``).
         """
         t0 = time.perf_counter()
-        step = rewrite(self.joint, self.stack, schedule, self.real_layouts)
+        step = rewrite(self.joint, self.stack, schedule, self.real_layouts, in_place=in_place)
         report = analyze(step, memory=self.memory_model(step, allocator))
         return step, report, time.perf_counter() - t0
 
