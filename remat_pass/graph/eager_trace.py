@@ -135,6 +135,10 @@ class OpRecorder(TorchDispatchMode):
         self.shadow_storages: dict[tuple[str, int], torch.UntypedStorage] = {}
         self.busy = False
         self.pending: tuple | None = None  # an op with wrapped numbers whose grad_fn is not set yet
+        # autograd's engine between a node's post-hook and the next node's pre-hook: an add
+        # there sums two gradients of one input (InputBuffer::accumulate); see accumulation
+        self.accumulating = False
+        self.accumulations: list[tuple[int, int, int]] = []  # (op index, old gradient sid, sum sid)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -159,6 +163,8 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self.busy = False
         self.ops.append(node)
+        if self.accumulating and func is torch.ops.aten.add.Tensor:
+            self._accumulation(index, args, kwargs, out)
         if isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
@@ -168,6 +174,30 @@ class OpRecorder(TorchDispatchMode):
         elif isinstance(out, torch.Tensor):
             self.node_of[out] = node
         return out
+
+    def _accumulation(self, index: int, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note an add of two gradients by autograd's engine (``InputBuffer::accumulate``,
+        ``torch/csrc/autograd/input_buffer.cpp``). On real tensors it adds in place
+        (``old.add_(new)``) when the buffered gradient is a plain, non-overlapping and
+        dense tensor whose last reference the buffer holds; on fake tensors (a tensor
+        subclass) it never does, so the recording shows a new storage. ``trace`` models
+        eager's rule: the sum lives in the old gradient's storage when the old gradient
+        is the tensor its storage was made for (not a view) and that storage died right
+        after the add (nothing else held it)."""
+        if kwargs or len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args) \
+                or not isinstance(out, torch.Tensor):
+            return
+        old = args[0]
+        if not (old.shape == out.shape and old.dtype == out.dtype and old.stride() == out.stride()
+                and old.storage_offset() == 0 and old.untyped_storage().nbytes() == old.numel() * old.element_size()):
+            return
+        before, after = self.alive.get(old.untyped_storage()._cdata), self.alive.get(out.untyped_storage()._cdata)
+        holder = self.node_of.get(old)
+        # the tensor that was made with its storage, not a view of it (a view's storage is
+        # also held by its base while both live: eager then adds out of place)
+        if before is not None and after is not None and self.records[after[1]][1] == index \
+                and holder is not None and self.records[before[1]][4] == holder.name:
+            self.accumulations.append((index, before[1], after[1]))
 
     def external(self, fn: Callable[..., Any], out: torch.Tensor) -> None:
         """A tensor made without a dispatched op (``torch.get_rng_state``, which
@@ -261,8 +291,15 @@ class OpRecorder(TorchDispatchMode):
                 self.shadow_storages[shadow_key], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def trace(self) -> EagerTrace:
-        """The recording so far (storages alive now have ``freed_before`` None)."""
-        storages = tuple(EagerStorage(*r) for r in self.records)
+        """The recording so far (storages alive now have ``freed_before`` None), with
+        autograd's gradient sums in place where eager adds in place (``_accumulation``)."""
+        records = [list(r) for r in self.records]
+        merged: set[int] = set()
+        for index, old, new in self.accumulations:
+            if old not in merged and records[old][3] == index + 1:  # the buffer held its last reference
+                records[old][3] = records[new][3]
+                merged.add(new)
+        storages = tuple(EagerStorage(*r) for sid, r in enumerate(records) if sid not in merged)
         return EagerTrace(self.graph, tuple(self.ops), storages)
 
 
@@ -317,6 +354,31 @@ def _fake_closure(converter: FakeConverter, loss_fn: LossFn | None) -> LossFn | 
                               loss_fn.__defaults__, closure)  # type: ignore[union-attr]
 
 
+def _mark_accumulations(loss: torch.Tensor, recorder: OpRecorder) -> list[Any]:
+    """Hooks on every node of ``loss``'s autograd graph: a pre-hook clears
+    ``recorder.accumulating``, a post-hook sets it, so that it is True exactly while the
+    engine adds a node's gradients into the next nodes' input buffers (ops a nested
+    backward runs, Megatron's reentrant checkpoint, are not marked). Returns the handles."""
+    handles: list[Any] = []
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+
+    def pre(*_: Any) -> None:
+        recorder.accumulating = False
+
+    def post(*_: Any) -> None:
+        recorder.accumulating = True
+
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        handles += [node.register_prehook(pre), node.register_hook(post)]
+        todo += [n for n, _ in node.next_functions]
+    return handles
+
+
 def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None) -> EagerTrace:
     """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on a fake
     copy of the model (``_fake_model``) and fake inputs; the model's own tensors and
@@ -357,8 +419,12 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
     torch.get_rng_state = stashed_rng_state
     try:
         with fake, recorder, functional_collectives(), binding:
-            extract_loss(run(args, kwargs), loss_fn).backward()  # the output is not held through backward
-            del args, kwargs
+            loss = extract_loss(run(args, kwargs), loss_fn)  # the output is not held through backward
+            handles = _mark_accumulations(loss, recorder)
+            loss.backward()
+            del args, kwargs, loss
+            for h in handles:
+                h.remove()
             recorder.poll()  # what died by the end of backward; the .grads live on
     except (RuntimeError, NotImplementedError, TypeError) as e:
         raise RematError(f"the eager step could not run on fake tensors: {type(e).__name__}: {e}") from e
