@@ -21,8 +21,9 @@ The rule, per candidate node ``y = op(x, ...)`` of the forward or backward graph
 - ``x``'s storage was made in this step: not a primal (parameter, buffer, batch) or a
   view of one, not a tangent, not a forward output other than a saved value; in the
   backward graph a saved value is made in this step (backward is its last reader);
-- no functional collective reads that storage (a backend thread may read its input
-  until the wait);
+- no functional collective reads or makes that storage (a backend thread may read its
+  input until the wait, and hold its output until it lets go of it:
+  ``measure.collective_release``);
 - the storage was made by a node of ``y``'s layer (or both are outer): a residual
   stream or its gradient is not carried through the whole stack in one buffer, so each
   layer's storages stay its own (``liveness/layer_template``'s rule: a layer's values
@@ -125,14 +126,17 @@ def _reinplace_graph(gm: fx.GraphModule, owned: set[int], layer_of: dict[str, in
         for t in _tensors(n.meta.get("val")):
             made_in.setdefault(_key(t), layer_of.get(n.name))
     last_read: dict[int, int] = {}  # storage key -> index of its last reader
-    collective: set[int] = set()  # storages a functional collective reads
+    collective: set[int] = set()  # storages a functional collective reads or makes
     for n in nodes:
+        is_collective = getattr(n.target, "namespace", "") in ("_c10d_functional", "c10d_functional")
         for a in n.all_input_nodes:
             for t in _tensors(a.meta.get("val")):
                 k = _key(t)
                 last_read[k] = max(last_read.get(k, -1), order[n])
-                if getattr(n.target, "namespace", "") in ("_c10d_functional", "c10d_functional"):
+                if is_collective:
                     collective.add(k)
+        if is_collective:
+            collective.update(_key(t) for t in _tensors(n.meta.get("val")))
     # a reinplaced node's FakeTensor keeps its own storage (its views share it); at run
     # time that storage is its first argument's: one class of keys (union-find)
     parent: dict[int, int] = {}
