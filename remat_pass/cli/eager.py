@@ -109,9 +109,9 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     print(f"\nthe eager program (the model as written, {how}) against the rewrite:")
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB", "in-place reuse saves MiB"], rows))
+    print_difference_by_op(causes)
     print("note (in-place reuse saves): the rewrite's predicted peak without its in-place ops (the functional "
           "trace, every op a new storage) minus with them (recompute/reinplace)")
-    print_difference_by_op(causes)
     for note, counts in notes.items():
         which = "every setting" if len(counts) == len(rows) else f"{len(counts)} of {len(rows)} settings"
         numbers = sorted({int(c) for c in counts if c})
