@@ -350,9 +350,14 @@ def pushed_mode() -> EagerStepMode | None:
 def push(owner: Any) -> EagerStepMode | None:
     """An EagerStepMode pushed for ``owner`` (in the caller's context: see the module
     docstring). One at a time in a process: a mode already pushed and waiting (its
-    owner's next step never came) is taken over; one recording now is not (None)."""
+    owner's next step never came) is taken over; one recording now is not (None); none
+    is pushed inside another dispatch mode (None)."""
     mode = pushed_mode()
     if mode is not None and mode.armed:
+        return None
+    if mode is None and _get_current_dispatch_mode_stack():
+        # the caller is inside another dispatch mode's ``with``: its exit would pop ours
+        # and leave its own pushed (the next backward outside it pushes one)
         return None
     if mode is None:
         mode = EagerStepMode()
