@@ -12,7 +12,8 @@ import sys
 from typing import Sequence
 
 from ..errors import RematError
-from ..evaluate.eager_program import eager_program, peak_difference_by_op, rewrite_live_by_op
+from ..evaluate.eager_program import (eager_program, peak_difference_by_cause, peak_difference_by_op,
+                                      rewrite_live_by_cause, rewrite_live_by_op)
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.workload import Workload
 from ..formatting import fmt_bytes, mib, text_table
@@ -76,6 +77,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
     refused: list[str] = []
     causes: list[tuple[str, list[tuple[str, int]]]] = []  # per setting: (op, rewrite - eager bytes at the peaks)
+    kinds: list[tuple[str, list[tuple[str, int]]]] = []  # per setting: (cause, rewrite - eager bytes at the peaks)
     notes: dict[str, list[str]] = {}  # each eager row's note -> its count per setting said of ("": none)
     for sched, r in zip(todo, results):
         try:
@@ -92,14 +94,18 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
             count, _, rest = n.partition(" ")
             notes.setdefault(rest if count.isdigit() else n, []).append(count if count.isdigit() else "")
         diff = r.predicted_peak_bytes - e.predicted.peak_bytes
-        by_op = peak_difference_by_op(e.predicted, rewrite_live_by_op(*w.session.prepare(sched, w.allocator)[:2]))
+        prepared = w.session.prepare(sched, w.allocator)[:2]
+        by_op = peak_difference_by_op(e.predicted, rewrite_live_by_op(*prepared))
+        by_cause = peak_difference_by_cause(e.predicted, rewrite_live_by_cause(*prepared))
         causes.append((sched.provenance, by_op))
+        kinds.append((sched.provenance, by_cause))
         reuse = w.session.prepare(sched, w.allocator, in_place=False)[1].peak_bytes - r.predicted_peak_bytes
         measured = "not run" if e.measured_peak_bytes is None else mib(e.measured_peak_bytes)
         doc.append({"schedule": sched.provenance, "predicted_peak_bytes": e.predicted.peak_bytes,
                     "measured_peak_bytes": e.measured_peak_bytes, "rewrite_predicted_peak_bytes": r.predicted_peak_bytes,
                     "peak_op": e.predicted.peak_op, "notes": list(e.predicted.notes),
-                    "difference_by_op": dict(by_op), "in_place_reuse_bytes": reuse})
+                    "difference_by_op": dict(by_op), "difference_by_cause": dict(by_cause),
+                    "in_place_reuse_bytes": reuse})
         rows.append([sched.provenance, mib(e.predicted.peak_bytes), measured,
                      mib(r.predicted_peak_bytes), f"{mib(diff)} ({100 * diff / e.predicted.peak_bytes:+.1f} %)",
                      mib(reuse)])
@@ -110,6 +116,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     print(text_table(["setting", "eager predicted MiB", "eager measured MiB", "rewrite predicted MiB",
                       "rewrite - eager MiB", "in-place reuse saves MiB"], rows))
     print_difference_by_op(causes)
+    print_difference_by_cause(kinds)
     print("note (in-place reuse saves): the rewrite's predicted peak without its in-place ops (the functional "
           "trace, every op a new storage) minus with them (recompute/reinplace)")
     for note, counts in notes.items():
@@ -123,6 +130,24 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     return exact, doc
 
 
+def _signed(d: int) -> str:
+    return ("+" if d > 0 else "-") + fmt_bytes(abs(d)) if d else "0"
+
+
+def print_difference_by_cause(kinds: Sequence[tuple[str, list[tuple[str, int]]]]) -> None:
+    """Per setting, ``eager_program.peak_difference_by_cause``: the rewrite's peak minus
+    the eager program's by why the bytes are live at each (``liveness.eager_program.
+    peak_cause``)."""
+    if not any(by_cause for _, by_cause in kinds):
+        return
+    print("rewrite - eager at each program's peak, by cause (held outputs: kept past their last read; "
+          "in-place reuse: the peak op's dying input of its output's size; copies; the terms sum to the "
+          "column above):")
+    for setting, by_cause in kinds:
+        if by_cause:
+            print(f"  {setting}: " + ", ".join(f"{c} {_signed(d)}" for c, d in by_cause))
+
+
 def print_difference_by_op(causes: Sequence[tuple[str, list[tuple[str, int]]]], top: int = 4) -> None:
     """Per setting, the largest terms of ``eager_program.peak_difference_by_op``: where
     the rewrite's peak and the eager program's differ, by the op that allocated the
@@ -131,10 +156,7 @@ def print_difference_by_op(causes: Sequence[tuple[str, list[tuple[str, int]]]], 
         return
     print("rewrite - eager at each program's peak, by the op that allocated the bytes live there "
           f"(largest {top}; the terms sum to the column above):")
-    def signed(d: int) -> str:
-        return ("+" if d > 0 else "-") + fmt_bytes(abs(d))
-
     for setting, by_op in causes:
-        shown = ", ".join(f"{op} {signed(d)}" for op, d in by_op[:top]) or "the same bytes"
+        shown = ", ".join(f"{op} {_signed(d)}" for op, d in by_op[:top]) or "the same bytes"
         rest = sum(d for _, d in by_op[top:])
-        print(f"  {setting}: {shown}" + (f", {len(by_op) - top} more {signed(rest)}" if by_op[top:] else ""))
+        print(f"  {setting}: {shown}" + (f", {len(by_op) - top} more {_signed(rest)}" if by_op[top:] else ""))

@@ -32,7 +32,8 @@ from ..errors import RematError
 from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
-from ..liveness.eager_program import EagerPeak, eager_peak, op_name
+from ..liveness.eager_program import PEAK_CAUSES, EagerPeak, eager_peak, is_copy, op_name, peak_cause
+from ..liveness.intervals import memory_intervals
 from ..liveness.timeline import MemoryReport
 from ..measure.allocator_events import profiled_peak_cpu
 from ..models.megatron import is_megatron_core, megatron_crashes_on
@@ -322,6 +323,39 @@ def rewrite_live_by_op(step: RewrittenStep, report: MemoryReport) -> dict[str, i
     if rest:
         out["(scratch)"] = out.get("(scratch)", 0) + rest
     return out
+
+
+def rewrite_live_by_cause(step: RewrittenStep, report: MemoryReport) -> dict[str, int]:
+    """The bytes live at the rewritten step's peak by ``liveness.eager_program.peak_cause``
+    (each of ``PEAK_CAUSES``), from the liveness intervals ``report`` was computed from;
+    the peak op's scratch under ``"the rest"``. Sums to ``report.peak_bytes`` (bytes).
+    Its ``"held outputs"`` are 0: liveness frees every storage after its last read."""
+    iv, _ = memory_intervals(step, report.memory)
+    nodes: dict[str, Any] = {}
+    for gm in (step.backward, step.forward):
+        nodes.update({n.name: n for n in gm.graph.nodes if n.op == "call_function"})
+    p = report.peak_step
+    live = [s for s in iv.storages if not s.static and s.kind != "scratch" and s.nbytes and s.first <= p <= s.last]
+    made = {s.nbytes for s in live if s.first == p}
+    out = dict.fromkeys(PEAK_CAUSES, 0)
+    for s in live:
+        node = nodes.get(s.name)
+        cause = peak_cause(s.first == p, s.last == p, s.last > p, s.kind not in ("gradient", "output"),
+                           s.nbytes in made, node is not None and is_copy(node))
+        out[cause] += s.nbytes
+    out["the rest"] += report.peak_bytes - sum(s.nbytes for s in live)
+    return out
+
+
+def peak_difference_by_cause(eager: EagerPeak, rewrite_by_cause: dict[str, int]) -> list[tuple[str, int]]:
+    """``rewrite - eager`` bytes at each program's own peak by cause (``PEAK_CAUSES``
+    order: ``rewrite_live_by_cause`` against ``EagerPeak.live_at_peak_causes``); the
+    terms sum to the rewrite's peak minus the eager program's (bytes). Empty when the
+    eager recording has no reads."""
+    if not eager.live_at_peak_causes:
+        return []
+    eager_by_cause = dict(eager.live_at_peak_causes)
+    return [(c, rewrite_by_cause.get(c, 0) - eager_by_cause.get(c, 0)) for c in PEAK_CAUSES]
 
 
 def peak_difference_by_op(eager: EagerPeak, rewrite_by_op: dict[str, int]) -> list[tuple[str, int]]:

@@ -83,11 +83,15 @@ class EagerTrace:
         op_nodes: the node of each op, in run order (``EagerStorage.allocated_at``
             indexes it).
         storages: every storage the step allocated.
+        reads: per op (run order), the index into ``storages`` of each storage of the
+            step it reads (an in-place op's too; static storages left out); empty when
+            not recorded.
     """
 
     graph: fx.Graph
     op_nodes: tuple[fx.Node, ...]
     storages: tuple[EagerStorage, ...]
+    reads: tuple[tuple[int, ...], ...] = ()
 
 
 WRAPPED_NUMBER_BYTES = "eager_wrapped_number_bytes"
@@ -139,6 +143,7 @@ class OpRecorder(TorchDispatchMode):
         # there sums two gradients of one input (InputBuffer::accumulate); see accumulation
         self.accumulating = False
         self.accumulations: list[tuple[int, int, int]] = []  # (op index, old gradient sid, sum sid)
+        self.reads: list[tuple[int, ...]] = []  # per op: the storage ids of the step it reads
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -148,6 +153,7 @@ class OpRecorder(TorchDispatchMode):
         index = len(self.ops)
         self.ordinal = 0
         fx_args, fx_kwargs = tree_map(self._arg, (args, kwargs))
+        reads = self._read_sids((args, kwargs))
         self.busy = True
         try:
             out = func(*args, **kwargs)
@@ -163,6 +169,7 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self.busy = False
         self.ops.append(node)
+        self.reads.append(reads)
         if self.accumulating and func is torch.ops.aten.add.Tensor:
             self._accumulation(index, args, kwargs, out)
         if isinstance(out, (tuple, list)):
@@ -212,7 +219,21 @@ class OpRecorder(TorchDispatchMode):
         finally:
             self.busy = False
         self.ops.append(node)
+        self.reads.append(())
         self.node_of[out] = node
+
+    def _read_sids(self, tree: Any) -> tuple[int, ...]:
+        """The storage ids of the step's storages the tensors of ``tree`` are on."""
+        sids: list[int] = []
+
+        def read(a: Any) -> None:
+            if isinstance(a, torch.Tensor):
+                entry = self.alive.get(a.untyped_storage()._cdata)
+                if entry is not None and entry[1] not in sids:
+                    sids.append(entry[1])
+
+        tree_map(read, tree)
+        return tuple(sids)
 
     def poll(self) -> None:
         """Storages found dead: freed before the op about to run."""
@@ -299,8 +320,14 @@ class OpRecorder(TorchDispatchMode):
             if old not in merged and records[old][3] == index + 1:  # the buffer held its last reference
                 records[old][3] = records[new][3]
                 merged.add(new)
-        storages = tuple(EagerStorage(*r) for sid, r in enumerate(records) if sid not in merged)
-        return EagerTrace(self.graph, tuple(self.ops), storages)
+        kept = [sid for sid in range(len(records)) if sid not in merged]
+        index = {sid: i for i, sid in enumerate(kept)}
+        for _, old, new in self.accumulations:
+            if new in merged:
+                index[new] = index[old]  # the sum is read where the old gradient's storage is
+        reads = tuple(tuple(dict.fromkeys(index[s] for s in r)) for r in self.reads)
+        storages = tuple(EagerStorage(*records[sid]) for sid in kept)
+        return EagerTrace(self.graph, tuple(self.ops), storages, reads)
 
 
 def without_weights(model: torch.nn.Module, inputs: Any) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+import torch.fx as fx
 from torch._ops import OpOverload
 
 from ..graph.eager_trace import WRAPPED_NUMBER_BYTES, EagerTrace
@@ -35,6 +37,9 @@ class EagerPeak:
         live_at_peak_ops: the bytes live at the peak by the op that allocated them
             (``op_name``: ``"mm"``, ``"native_dropout"``), the peak op's scratch as
             ``"(scratch)"``; they sum to ``peak_bytes``.
+        live_at_peak_causes: the bytes live at the peak by ``peak_cause`` (each of
+            ``PEAK_CAUSES``); they sum to ``peak_bytes``. Empty when the trace has no
+            reads.
     """
 
     peak_bytes: int
@@ -46,6 +51,50 @@ class EagerPeak:
     ops: int
     notes: tuple[str, ...]
     live_at_peak_ops: tuple[tuple[str, int], ...] = ()
+    live_at_peak_causes: tuple[tuple[str, int], ...] = ()
+
+
+PEAK_CAUSES = ("in-place reuse", "copies", "held outputs", "the rest")
+"""What a storage live at a program's peak is there for, as ``peak_cause`` tells them
+apart: the causes by which an eager program's peak and the rewrite's differ (issue 19)."""
+
+COPY_OPS = frozenset({"clone", "copy", "_to_copy", "lift_fresh_copy"})
+"""Ops whose output repeats their input's values (``op_name``); a ``_to_copy`` that
+changes the dtype is a cast, not a copy (``is_copy``)."""
+
+
+def is_copy(node: fx.Node) -> bool:
+    """Whether ``node`` (an op of a traced or recorded graph) makes a second copy of its
+    first input: an op of ``COPY_OPS`` whose output has the input's dtype and shape."""
+    if op_name(node.target) not in COPY_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.dtype == out.dtype and src.shape == out.shape)
+
+
+def peak_cause(made_at_peak: bool, last_read_at_peak: bool, read_later: bool, dies_in_step: bool,
+               a_peak_output_fits: bool, copy: bool) -> str:
+    """Why a storage is live at a program's peak op, the first that holds of:
+
+    - ``"held outputs"``: made before the peak op, read neither by it nor after it, and
+      freed later in the step: a reference keeps it past its last read (eager Python's
+      variables, ``CheckpointFunction``'s output while the group's backward runs; a
+      rewritten step frees every storage after its last read);
+    - ``"in-place reuse"``: made before the peak op, read by it for the last time, and an
+      output the peak op allocates has its size: an in-place op would write into it
+      (``torch.fx.passes.reinplace``'s rule, aliasing aside);
+    - ``"copies"``: made by a copy of a value (``is_copy``);
+    - ``"the rest"``: saved activations, recomputed values, gradients, the peak op's
+      outputs and what it reads later again.
+
+    ``read_later``: some op after the peak op reads it; ``dies_in_step``: it is freed
+    before the step ends (not a ``.grad``, the loss)."""
+    if not made_at_peak and not last_read_at_peak and not read_later and dies_in_step:
+        return "held outputs"
+    if not made_at_peak and last_read_at_peak and a_peak_output_fits:
+        return "in-place reuse"
+    return "copies" if copy else "the rest"
 
 
 def op_name(target: object) -> str:
@@ -107,4 +156,30 @@ def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
     if scratch_at:
         by_op["(scratch)"] = scratch_at
     return EagerPeak(best, f"{node.target} ({node.name})", at, scratch_at, tuple(top), held, n, notes,
-                     tuple(sorted(by_op.items(), key=lambda x: -x[1])))
+                     tuple(sorted(by_op.items(), key=lambda x: -x[1])),
+                     _causes_at(trace, sizes, at_peak, at, scratch_at))
+
+
+def _causes_at(trace: EagerTrace, sizes: list[int], at_peak: set[int], at: int,
+               scratch: int) -> tuple[tuple[str, int], ...]:
+    """The bytes live at op ``at`` by ``peak_cause``, its scratch under the rest."""
+    if not trace.reads:
+        return ()
+    last_read = [-1] * len(trace.storages)
+    for i, read in enumerate(trace.reads):
+        for sid in read:
+            last_read[sid] = i
+    made = [sid for sid in at_peak if trace.storages[sid].allocated_at == at]
+    out = dict.fromkeys(PEAK_CAUSES, 0)
+    out["the rest"] += scratch
+    for sid in at_peak:
+        s = trace.storages[sid]
+        fits = any(sizes[m] == sizes[sid] for m in made)
+        maker = trace.op_nodes[s.allocated_at]
+        # a storage made without a dispatched op (torch.get_rng_state's state, which
+        # checkpoint stashes) is read by torch.set_rng_state, which dispatches none either
+        read_later = last_read[sid] > at or not isinstance(maker.target, OpOverload)
+        cause = peak_cause(s.allocated_at == at, last_read[sid] == at, read_later,
+                           s.freed_before is not None, fits, is_copy(maker))
+        out[cause] += sizes[sid]
+    return tuple(out.items())

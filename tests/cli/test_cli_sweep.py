@@ -98,6 +98,11 @@ def test_program_eager_on_the_meta_device_is_predicted_only(tmp_path, capsys):
     assert all(sum(r["difference_by_op"].values()) == r["rewrite_predicted_peak_bytes"] - r["predicted_peak_bytes"]
                for r in eager.values())
     assert all(f"  {s}: " in out[out.index("rewrite - eager at each"):] for s in eager)
+    # and by cause (liveness.eager_program.peak_cause), every cause named
+    assert all(set(r["difference_by_cause"]) == {"in-place reuse", "copies", "held outputs", "the rest"}
+               and sum(r["difference_by_cause"].values()) == r["rewrite_predicted_peak_bytes"] - r["predicted_peak_bytes"]
+               for r in eager.values())
+    assert "by cause" in out
 
 
 @pytest.mark.slow
