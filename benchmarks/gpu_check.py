@@ -11,6 +11,10 @@ between the least feasible peak and none's): the predicted peak, the measured pe
 after a warm-up step; CPU: the profiler's allocator events), their difference, and the
 gradients (bitwise against the un-rewritten step on the same device, and the largest
 difference from eager autograd). One table on stdout, the rows as JSON with ``--json``.
+The user's eager program (``evaluate.eager_program``, without the rewrite) follows per
+model under none, uniform K=1 and block N=2 (``check_eager``; ``--no-eager`` leaves it
+out): predicted for the GPU (``eager_program(gpu=...)``) against the same
+``max_memory_allocated`` measurement of the eager step.
 
 On CUDA the allocator runs with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 (set before CUDA starts; ``--default-allocator`` leaves it), under which every block is
@@ -134,6 +138,67 @@ def check(name: str, dtype: str, size: str, device: str) -> list[dict]:
             row["fake_equals_real"] = analyze(fake_step, memory=measured.memory_model(fake_step, allocator)).peak_bytes == pred
         if sched.method == "optimized":
             row["budget_bytes"] = budget
+        row["program"] = "rewrite"
+        rows.append(row)
+    return rows
+
+
+def measure_eager_cuda(model, inputs, loss_fn, sched, layers: str) -> int:  # noqa: ANN001
+    """The user's eager step under ``sched`` on CUDA (the setting applied as
+    ``eager_program`` applies it): ``max_memory_allocated`` above ``memory_allocated`` at
+    the step's start, after two warm-up steps, ``.grad`` None before each (bytes)."""
+    from remat_pass.evaluate.eager_program import with_checkpoints
+    from remat_pass.graph.flat_step import extract_loss, split_inputs
+
+    m = with_checkpoints(model, sched, layers) if sched.groups else model
+    args, kwargs = split_inputs(inputs)
+    params = list(m.parameters())
+    for i in range(3):
+        for q in params:
+            q.grad = None
+        torch.cuda.synchronize()
+        if i == 2:
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+        extract_loss(m(*args, **kwargs), loss_fn).backward()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    for q in params:
+        q.grad = None
+    return peak
+
+
+def check_eager(name: str, dtype: str, size: str, device: str) -> list[dict]:
+    """The rows of the user's eager program (``evaluate.eager_program``: the model as
+    written, transformers' ``gradient_checkpointing_enable`` on the recomputed layers)
+    under none, uniform K=1 and block N=2: on CUDA predicted for the detected GPU
+    (``gpu=``) against ``measure_eager_cuda``; on the CPU predicted against the CPU
+    measurement, and the recording without weights against the one with them."""
+    from remat_pass.evaluate.eager_program import eager_program
+    from remat_pass.graph.regions import find_layer_stacks
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(name, dtype, size, meta=False)
+    (layers, children), = find_layer_stacks(model)
+    L = len(children)
+    rows = []
+    for sched in (schedules.none(L), schedules.uniform(1, L), schedules.block(min(2, L), L)):
+        t0 = time.perf_counter()
+        row = {"model": name, "dtype": dtype, "device": device, "schedule": sched.provenance, "program": "eager"}
+        if device == "cuda":
+            pred = eager_program(model, inputs, loss_fn, sched, layers=layers, measure=False,
+                                 gpu=GpuSpec.detect()).predicted.peak_bytes
+            cuda_model, cuda_inputs, _ = build(name, dtype, size, meta=False)
+            measured = measure_eager_cuda(cuda_model.to("cuda"), to_device(cuda_inputs, "cuda"), loss_fn, sched, layers)
+        else:
+            r = eager_program(model, inputs, loss_fn, sched, layers=layers)
+            pred, measured = r.predicted.peak_bytes, r.measured_peak_bytes
+            meta_model, meta_inputs, _ = build(name, dtype, size, meta=True)
+            row["fake_equals_real"] = eager_program(meta_model, meta_inputs, loss_fn, sched, layers=layers,
+                                                    measure=False).predicted.peak_bytes == pred
+        row.update(predicted_peak_bytes=pred, measured_peak_bytes=measured,
+                   error_fraction=(pred - measured) / measured if measured else None,
+                   grads_equal=True, max_grad_diff_vs_eager=None, seconds=time.perf_counter() - t0)
         rows.append(row)
     return rows
 
@@ -147,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--default-allocator", action="store_true",
                    help="do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--no-eager", action="store_true", help="leave out the rows of the user's eager program")
     args = p.parse_args(argv)
     device = "cuda" if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -159,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         for dtype in args.dtypes.split(","):
             rows += check(name, dtype, size, device)
+            if not args.no_eager:
+                rows += check_eager(name, dtype, size, device)
             print(f"{name} {dtype}: {len(rows)} rows", file=sys.stderr, flush=True)
-    header = ["model", "dtype", "schedule", "predicted B", "measured B", "error %", "grads equal", "max |grad - eager|"]
+    header = ["model", "dtype", "program", "schedule", "predicted B", "measured B", "error %", "grads equal", "max |grad - eager|"]
     if device != "cuda":
         header.append("fake == real")
     table = []
     for r in rows:
-        cells = [r["model"], r["dtype"], r["schedule"], str(r["predicted_peak_bytes"]), str(r["measured_peak_bytes"]),
+        cells = [r["model"], r["dtype"], r.get("program", "rewrite"), r["schedule"], str(r["predicted_peak_bytes"]), str(r["measured_peak_bytes"]),
                  f"{100 * r['error_fraction']:+.3f}" if r["error_fraction"] is not None else "-",
                  "yes" if r["grads_equal"] else "NO",
                  f"{r['max_grad_diff_vs_eager']:.2e}" if r["max_grad_diff_vs_eager"] is not None else "-"]

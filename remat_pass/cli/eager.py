@@ -17,6 +17,7 @@ from ..evaluate.eager_program import (eager_program, peak_difference_by_cause, p
 from ..evaluate.schedule_result import ScheduleResult
 from ..evaluate.workload import Workload
 from ..formatting import fmt_bytes, mib, text_table
+from ..memory.cuda_target import GPUS
 from ..models.megatron import is_megatron_core
 from ..recompute import schedule as schedules
 
@@ -75,6 +76,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
         return True, []
     rows, exact, doc = [], True, []
     own_loop = is_megatron_core(step.model)  # Megatron-Core runs every setting itself
+    gpu = GPUS[w.options.gpu] if w.options.target == "cuda" else None
     refused: list[str] = []
     causes: list[tuple[str, list[tuple[str, int]]]] = []  # per setting: (op, rewrite - eager bytes at the peaks)
     kinds: list[tuple[str, list[tuple[str, int]]]] = []  # per setting: (cause, rewrite - eager bytes at the peaks)
@@ -82,7 +84,7 @@ def print_eager_table(args: argparse.Namespace, w: Workload, todo: Sequence[sche
     for sched, r in zip(todo, results):
         try:
             e = eager_program(step.model, step.example_inputs, step.loss_fn, sched, layers=step.stack.path,
-                              use_reentrant=args.reentrant)
+                              use_reentrant=args.reentrant, gpu=gpu)
         except RematError as err:
             if not any(len(g) > 1 for g in sched.groups):
                 print(f"--program eager: {sched.provenance}: {err}", file=sys.stderr)
@@ -141,8 +143,8 @@ def print_difference_by_cause(kinds: Sequence[tuple[str, list[tuple[str, int]]]]
     if not any(by_cause for _, by_cause in kinds):
         return
     print("rewrite - eager at each program's peak, by cause (held outputs: kept past their last read; "
-          "in-place reuse: the peak op's dying input of its output's size; copies; the terms sum to the "
-          "column above):")
+          "in-place reuse: the peak op's dying input of its output's size; copies; dropout masks: "
+          "the saved bool mask, or the CPU's noise tensor; the terms sum to the column above):")
     for setting, by_cause in kinds:
         if by_cause:
             print(f"  {setting}: " + ", ".join(f"{c} {_signed(d)}" for c, d in by_cause))

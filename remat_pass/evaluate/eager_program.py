@@ -32,12 +32,14 @@ from ..errors import RematError
 from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
-from ..liveness.eager_program import PEAK_CAUSES, EagerPeak, eager_peak, is_copy, op_name, peak_cause
+from ..liveness.eager_program import (PEAK_CAUSES, EagerPeak, eager_peak, is_copy, is_dropout_mask, op_name,
+                                      peak_cause)
 from ..liveness.intervals import memory_intervals
 from ..liveness.timeline import MemoryReport
 from ..measure.allocator_events import profiled_peak_cpu
 from ..models.megatron import is_megatron_core, megatron_crashes_on
 from ..memory.calibration import Calibrator
+from ..memory.cuda_target import GpuSpec, eager_kernels_on_cuda
 from ..memory.memory_model import MemoryModel
 from ..recompute.rewrite import RewrittenStep
 from ..recompute.schedule import Schedule
@@ -230,6 +232,11 @@ NO_WEIGHTS = ("recorded without weights (meta tensors, as if on the CPU): op scr
               "only, not calibrated on this machine; not measured")
 """The note of an eager step recorded without weights."""
 
+ON_CUDA = ("predicted for the CUDA target, not run: recorded on CPU fakes with the GPU's attention backend and "
+           "fused dropout (cuda_target.eager_kernels_on_cuda), storages in the caching allocator's 512-byte blocks, op scratch "
+           "from the CUDA formula table; Python code that branches on the device is not seen")
+"""The note of an eager step predicted for a CUDA GPU."""
+
 
 @dataclasses.dataclass(frozen=True)
 class EagerResult:
@@ -249,7 +256,8 @@ class EagerResult:
 
 def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
                   schedule: Schedule, *, layers: str | None = None, use_reentrant: bool = False,
-                  measure: bool = True, calibrator: Calibrator | None = None) -> EagerResult:
+                  measure: bool = True, calibrator: Calibrator | None = None,
+                  gpu: GpuSpec | None = None) -> EagerResult:
     """The eager step ``loss_fn(model(*inputs)).backward()`` (inputs and loss as
     ``eager_trace.record_eager_step``) under ``schedule`` (a Megatron-Core model: its own
     recompute, ``megatron_recompute``; uniform K > 1 included)
@@ -257,20 +265,29 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
     on the real model (two warm-up steps, ``.grad`` None before each; CPU). A model or
     inputs without weights (the meta device: ``eager_trace.without_weights``) are recorded
     as on the CPU with the formula table's op scratch, not measured, and say so in
-    ``predicted.notes`` (``NO_WEIGHTS``).
+    ``predicted.notes`` (``NO_WEIGHTS``). With ``gpu``, the program as it runs on that
+    CUDA GPU: recorded under ``cuda_target.eager_kernels_on_cuda(gpu)`` (its attention
+    backend, ATen's fused dropout), counted in the caching allocator's blocks with the
+    formula table's CUDA scratch (``liveness.eager_program``: the host's memory left
+    out), never measured, and said so in ``predicted.notes`` (``ON_CUDA``).
 
     Raises:
         RematError: as ``with_checkpoints`` and ``eager_trace.record_eager_step``.
     """
     if is_megatron_core(model):
         with megatron_recompute(model, schedule):
-            return _run(model, inputs, loss_fn, schedule, measure, calibrator)
+            return _run(model, inputs, loss_fn, schedule, measure, calibrator, gpu)
     m = with_checkpoints(model, schedule, layers, use_reentrant) if schedule.groups else model
-    return _run(m, inputs, loss_fn, schedule, measure, calibrator)
+    return _run(m, inputs, loss_fn, schedule, measure, calibrator, gpu)
 
 
 def _run(m: nn.Module, inputs: Any, loss_fn: LossFn | None, schedule: Schedule, measure: bool,
-         calibrator: Calibrator | None) -> EagerResult:
+         calibrator: Calibrator | None, gpu: GpuSpec | None) -> EagerResult:
+    if gpu is not None:
+        trace = record_eager_step(m, inputs, loss_fn, kernels=lambda: eager_kernels_on_cuda(gpu))
+        predicted = eager_peak(trace, MemoryModel.table_only("cuda"))
+        return EagerResult(schedule.provenance, dataclasses.replace(predicted, notes=(*predicted.notes, ON_CUDA)),
+                           None)
     trace = record_eager_step(m, inputs, loss_fn)
     if without_weights(m, inputs):  # predicted only, as a fake step of the rewrite (session.Session)
         predicted = eager_peak(trace, MemoryModel.table_only("cpu"))
@@ -335,15 +352,21 @@ def rewrite_live_by_cause(step: RewrittenStep, report: MemoryReport) -> dict[str
     for gm in (step.backward, step.forward):
         nodes.update({n.name: n for n in gm.graph.nodes if n.op == "call_function"})
     p = report.peak_step
-    live = [s for s in iv.storages if not s.static and s.kind != "scratch" and s.nbytes and s.first <= p <= s.last]
-    made = {s.nbytes for s in live if s.first == p}
+    ordinal, count = [], {}  # which output of its node each storage is (they are made in output order)
+    for s in iv.storages:
+        count[s.name, s.first] = count.get((s.name, s.first), -1) + 1
+        ordinal.append(count[s.name, s.first])
+    live = [(s, k) for s, k in zip(iv.storages, ordinal)
+            if not s.static and s.kind != "scratch" and s.nbytes and s.first <= p <= s.last]
+    made = {s.nbytes for s, _ in live if s.first == p}
     out = dict.fromkeys(PEAK_CAUSES, 0)
-    for s in live:
+    for s, k in live:
         node = nodes.get(s.name)
         cause = peak_cause(s.first == p, s.last == p, s.last > p, s.kind not in ("gradient", "output"),
-                           s.nbytes in made, node is not None and is_copy(node))
+                           s.nbytes in made, node is not None and is_copy(node),
+                           node is not None and is_dropout_mask(node, k))
         out[cause] += s.nbytes
-    out["the rest"] += report.peak_bytes - sum(s.nbytes for s in live)
+    out["the rest"] += report.peak_bytes - sum(s.nbytes for s, _ in live)
     return out
 
 

@@ -406,7 +406,8 @@ def _mark_accumulations(loss: torch.Tensor, recorder: OpRecorder) -> list[Any]:
     return handles
 
 
-def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None) -> EagerTrace:
+def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None,
+                      kernels: Callable[[], ContextManager[Any]] | None = None) -> EagerTrace:
     """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on a fake
     copy of the model (``_fake_model``) and fake inputs; the model's own tensors and
     ``.grad``s are untouched.
@@ -419,6 +420,8 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
         loss_fn: the model's output -> a scalar loss; None: the output is the loss or
             has ``.loss`` (``flat_step.extract_loss``); meta tensors it closes over
             (targets) are recorded as CPU tensors.
+        kernels: a context entered around forward and backward that makes ops run as
+            on another device (``cuda_target.eager_kernels_on_cuda``); None: the CPU's.
 
     Returns:
         The EagerTrace: every op (forward, loss, backward) with the storages it
@@ -445,7 +448,7 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
 
     torch.get_rng_state = stashed_rng_state
     try:
-        with fake, recorder, functional_collectives(), binding:
+        with fake, recorder, functional_collectives(), binding, (kernels or contextlib.nullcontext)():
             loss = extract_loss(run(args, kwargs), loss_fn)  # the output is not held through backward
             handles = _mark_accumulations(loss, recorder)
             loss.backward()

@@ -6,11 +6,18 @@ An op's step holds what is live before it, its new outputs and its scratch (the
 calibration's rule: ``memory/calibration``), as the liveness of a rewritten step does
 (``liveness/timeline``), plus the wrapped numbers eager Python makes for it
 (``eager_trace.wrapped_numbers``). What this leaves out is said in ``EagerPeak.notes``.
+
+For a CUDA memory model (``MemoryModel.allocator == "cuda"``) only the GPU's memory is
+counted, each storage in the caching allocator's blocks: the wrapped numbers (0-dim CPU
+tensors: ``scalar_to_tensor`` makes them on the CPU) and the RNG states
+``torch.utils.checkpoint`` stashes (``torch.get_rng_state`` and
+``torch.cuda.get_rng_state`` return CPU tensors) live in the host's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -54,7 +61,7 @@ class EagerPeak:
     live_at_peak_causes: tuple[tuple[str, int], ...] = ()
 
 
-PEAK_CAUSES = ("in-place reuse", "copies", "held outputs", "the rest")
+PEAK_CAUSES = ("in-place reuse", "copies", "held outputs", "dropout masks", "the rest")
 """What a storage live at a program's peak is there for, as ``peak_cause`` tells them
 apart: the causes by which an eager program's peak and the rewrite's differ (issue 19)."""
 
@@ -73,14 +80,29 @@ def is_copy(node: fx.Node) -> bool:
             and src.dtype == out.dtype and src.shape == out.shape)
 
 
+def is_dropout_mask(node: fx.Node, output: int) -> bool:
+    """Whether output ``output`` of ``node`` is dropout's saved mask as a traced step
+    holds it: ``native_dropout``'s second output (bool), also replayed under
+    ``run_with_rng_state``; ``node`` may be the ``getitem`` that takes it."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node, output = node.args[0], node.args[1]
+    op = node.args[1] if node.target is torch.ops.higher_order.run_with_rng_state and len(node.args) > 1 \
+        else node.target
+    return op_name(op) == "native_dropout" and output == 1
+
+
 def peak_cause(made_at_peak: bool, last_read_at_peak: bool, read_later: bool, dies_in_step: bool,
-               a_peak_output_fits: bool, copy: bool) -> str:
+               a_peak_output_fits: bool, copy: bool, mask: bool = False) -> str:
     """Why a storage is live at a program's peak op, the first that holds of:
 
     - ``"held outputs"``: made before the peak op, read neither by it nor after it, and
       freed later in the step: a reference keeps it past its last read (eager Python's
       variables, ``CheckpointFunction``'s output while the group's backward runs; a
       rewritten step frees every storage after its last read);
+    - ``"dropout masks"`` (``mask``): what dropout keeps to scale the gradient: the bool
+      mask of ``native_dropout`` (a traced step; eager on CUDA, ATen's fused kernel), or
+      the noise tensor ``bernoulli_`` fills (eager on the CPU, ATen's ``_dropout_impl``:
+      the input's dtype), the one cause whose bytes differ by device;
     - ``"in-place reuse"``: made before the peak op, read by it for the last time, and an
       output the peak op allocates has its size: an in-place op would write into it
       (``torch.fx.passes.reinplace``'s rule, aliasing aside);
@@ -92,6 +114,8 @@ def peak_cause(made_at_peak: bool, last_read_at_peak: bool, read_later: bool, di
     before the step ends (not a ``.grad``, the loss)."""
     if not made_at_peak and not last_read_at_peak and not read_later and dies_in_step:
         return "held outputs"
+    if mask:
+        return "dropout masks"
     if not made_at_peak and last_read_at_peak and a_peak_output_fits:
         return "in-place reuse"
     return "copies" if copy else "the rest"
@@ -115,12 +139,14 @@ def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
     if not n:
         raise ValueError("the eager step ran no op")
     node_mem = [memory.node_memory(node) for node in trace.op_nodes]
+    host = memory.allocator == "cuda"  # the GPU's memory: what lives in the host's is not counted
     sizes = []
     for s in trace.storages:
         nm = node_mem[s.allocated_at]
         real = nm.output_storage_bytes if nm is not None else None
         nbytes = real[s.output] if real is not None and 0 <= s.output < len(real) and real[s.output] else s.nbytes
-        sizes.append(memory.allocator_bytes(nbytes))
+        in_host = s.output < 0 or not isinstance(trace.op_nodes[s.allocated_at].target, OpOverload)
+        sizes.append(0 if host and in_host else memory.allocator_bytes(nbytes))
     allocated: list[list[int]] = [[] for _ in range(n)]
     freed: list[list[int]] = [[] for _ in range(n + 1)]
     for sid, s in enumerate(trace.storages):
@@ -138,7 +164,8 @@ def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
             live += sizes[sid]
             alive.add(sid)
         nm = node_mem[i]
-        scratch = (nm.scratch_bytes if nm is not None else 0) + trace.op_nodes[i].meta.get(WRAPPED_NUMBER_BYTES, 0)
+        scratch = (nm.scratch_bytes if nm is not None else 0) + \
+            (0 if host else trace.op_nodes[i].meta.get(WRAPPED_NUMBER_BYTES, 0))
         uncounted += nm is not None and nm.source == "none" and isinstance(trace.op_nodes[i].target, OpOverload)
         if live + scratch > best:
             best, at, scratch_at = live + scratch, i, scratch
@@ -170,6 +197,8 @@ def _causes_at(trace: EagerTrace, sizes: list[int], at_peak: set[int], at: int,
         for sid in read:
             last_read[sid] = i
     made = [sid for sid in at_peak if trace.storages[sid].allocated_at == at]
+    noise = {sid for i, read in enumerate(trace.reads) if op_name(trace.op_nodes[i].target) in ("bernoulli_", "bernoulli")
+             for sid in read[:1]}  # the tensor bernoulli_ fills in place
     out = dict.fromkeys(PEAK_CAUSES, 0)
     out["the rest"] += scratch
     for sid in at_peak:
@@ -179,7 +208,7 @@ def _causes_at(trace: EagerTrace, sizes: list[int], at_peak: set[int], at: int,
         # a storage made without a dispatched op (torch.get_rng_state's state, which
         # checkpoint stashes) is read by torch.set_rng_state, which dispatches none either
         read_later = last_read[sid] > at or not isinstance(maker.target, OpOverload)
-        cause = peak_cause(s.allocated_at == at, last_read[sid] == at, read_later,
-                           s.freed_before is not None, fits, is_copy(maker))
+        cause = peak_cause(s.allocated_at == at, last_read[sid] == at, read_later, s.freed_before is not None,
+                           fits, is_copy(maker), sid in noise or is_dropout_mask(maker, s.output))
         out[cause] += sizes[sid]
     return tuple(out.items())

@@ -29,8 +29,10 @@ Kernel choices that change memory, and which of them are modelled:
 - Cross entropy (nothing to model): ``cross_entropy_loss`` is ``log_softmax`` then
   ``nll_loss`` on every device (``aten/src/ATen/native/LossNLL.cpp``); PyTorch has no
   fused CUDA cross-entropy kernel, so the CPU trace already holds the CUDA ops.
-- Dropout (nothing to model): ``native_dropout`` on both devices; its mask is saved as
-  bool on both.
+- Dropout: a traced step holds ``native_dropout`` on both devices (AOTAutograd's
+  decomposition), its mask saved as bool on both. The user's eager program (modelled,
+  ``eager_dropout_as_on_cuda``) takes ATen's fused ``native_dropout`` on CUDA (a bool
+  mask) where the CPU saves a float noise tensor.
 - ``F.rms_norm`` / ``nn.RMSNorm`` (not modelled): the CPU trace holds the composite
   (``pow``, ``mean``, ``rsqrt``); a CUDA build may call ``_fused_rms_norm``, which saves
   ``rstd`` only. Hugging Face Llama / Mistral write their RMSNorm by hand and are
@@ -63,10 +65,11 @@ Caching allocator (``c10/cuda/CUDACachingAllocator.cpp``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -329,10 +332,57 @@ def sdpa_as_on_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
                                                    enable_gqa=enable_gqa)[0]
 
 
+def eager_dropout_as_on_cuda(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` (``F.dropout``'s arguments: input, p, training, inplace)
+    as eager ATen runs it on a CUDA tensor, or ``NotImplemented`` where it runs as on the
+    CPU. ``at::dropout`` (``aten/src/ATen/native/
+    Dropout.cpp``) takes the fused kernel, ``std::get<0>(at::native_dropout(input, p,
+    train))``, when training with ``0 < p < 1`` on a non-empty CUDA tensor
+    (``is_fused_kernel_acceptable``): autograd then saves a bool mask, where the CPU's
+    ``_dropout_impl`` saves a float noise tensor. In-place ``dropout_`` and the feature /
+    alpha variants take the unfused path on both devices."""
+    x = args[0] if args else kwargs.get("input")
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    train = kwargs.get("train", kwargs.get("training", args[2] if len(args) > 2 else True))
+    inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+    if not isinstance(x, torch.Tensor) or inplace or not train or not 0 < p < 1 or x.numel() == 0:
+        return NotImplemented
+    return torch.ops.aten.native_dropout.default(x, float(p), True)[0]
+
+
+@contextlib.contextmanager
+def eager_kernels_on_cuda(gpu: GpuSpec = GpuSpec()) -> Iterator[None]:
+    """While active, the user's eager code runs attention and dropout as on ``gpu``:
+    ``torch.nn.functional.scaled_dot_product_attention`` as ``sdpa_as_on_cuda`` and
+    ``torch.nn.functional.dropout`` as ``eager_dropout_as_on_cuda``. The module's
+    attributes are replaced (and restored), not a ``TorchFunctionMode`` pushed: a mode
+    is popped while its handler runs, so ``loss.backward()`` under it would run a
+    checkpoint's recompute as on the CPU (``torch.utils.checkpoint`` then refuses the
+    recomputed mask's dtype). Code that bound these functions under another name before
+    (``from torch.nn.functional import dropout``) or calls ``torch.dropout`` directly
+    is not seen."""
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        return sdpa_as_on_cuda(*args, **kwargs, gpu=gpu)
+
+    def eager_dropout(*args: Any, **kwargs: Any) -> Any:
+        out = eager_dropout_as_on_cuda(dropout, args, kwargs)
+        return dropout(*args, **kwargs) if out is NotImplemented else out
+
+    F.scaled_dot_product_attention, F.dropout = attention, eager_dropout  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout  # type: ignore[assignment]
+
+
 class CudaKernels(TorchFunctionMode):
     """While active, ops whose CUDA kernel saves other tensors than the CPU one trace as
     on ``gpu``: ``F.scaled_dot_product_attention`` becomes the aten op of the backend
-    ``select_sdpa_backend`` picks (``sdpa_as_on_cuda``).
+    ``select_sdpa_backend`` picks (``sdpa_as_on_cuda``). A traced step already holds
+    ``native_dropout`` (AOTAutograd's decomposition); the user's eager program is
+    recorded under ``eager_kernels_on_cuda`` instead.
 
     Attributes:
         gpu: the target.

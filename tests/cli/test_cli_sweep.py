@@ -99,7 +99,7 @@ def test_program_eager_on_the_meta_device_is_predicted_only(tmp_path, capsys):
                for r in eager.values())
     assert all(f"  {s}: " in out[out.index("rewrite - eager at each"):] for s in eager)
     # and by cause (liveness.eager_program.peak_cause), every cause named
-    assert all(set(r["difference_by_cause"]) == {"in-place reuse", "copies", "held outputs", "the rest"}
+    assert all(set(r["difference_by_cause"]) == {"in-place reuse", "copies", "held outputs", "dropout masks", "the rest"}
                and sum(r["difference_by_cause"].values()) == r["rewrite_predicted_peak_bytes"] - r["predicted_peak_bytes"]
                for r in eager.values())
     assert "by cause" in out
@@ -118,3 +118,22 @@ def test_program_eager_prints_the_eager_program_beside_the_rewrite(capsys):
     rows = {line.split()[0]: line.split()[1:] for line in table[3:] if line.strip()}
     assert set(rows) == {"none", "uniform(K=1)", "uniform(K=2)", "block(N=0)", "block(N=1)", "block(N=2)"}
     assert all(r[0] == r[1] for r in rows.values())  # eager predicted == measured (MiB)
+
+
+def test_program_eager_for_the_cuda_target_is_predicted_only(tmp_path, capsys):
+    """``sweep --target cuda --program eager``: every eager row predicted in the GPU's
+    memory (``evaluate.eager_program.ON_CUDA``), none run, its by-cause terms summing to
+    the difference."""
+    import json
+
+    from remat_pass.evaluate.eager_program import ON_CUDA
+
+    argv = ["sweep", "--model", "remat_pass.models:tiny_gpt", "--layers", "2", "--batch", "2", "--seq", "16",
+            "--target", "cuda", "--program", "eager", "--json", str(tmp_path / "s.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"note (eager program, every setting): {ON_CUDA}" in out
+    eager = json.loads((tmp_path / "s.json").read_text())["eager_program"]
+    assert len(eager) >= 4 and all(r["measured_peak_bytes"] is None and ON_CUDA in r["notes"] for r in eager)
+    assert all(sum(r["difference_by_cause"].values()) == r["rewrite_predicted_peak_bytes"] - r["predicted_peak_bytes"]
+               for r in eager)

@@ -81,7 +81,8 @@ def test_eager_holds_what_a_context_keeps_and_the_rewrite_does_not():
     model, x = Holds(), torch.randn(N)
     eager = eager_peak(record_eager_step(model, (x,), None), MemoryModel.table_only("cpu"))
     assert dict(eager.live_at_peak_causes) == {"in-place reuse": VECTOR, "copies": 0,
-                                               "held outputs": 3 * VECTOR + 4, "the rest": 3 * VECTOR + 4}
+                                               "held outputs": 3 * VECTOR + 4, "dropout masks": 0,
+                                               "the rest": 3 * VECTOR + 4}
     assert eager.peak_bytes == 7 * VECTOR + 8
     step, report, _ = Session.create(model, (x,), None).prepare(schedules.none(2))
     rewrite = rewrite_live_by_cause(step, report)
@@ -114,3 +115,61 @@ def test_a_copy_live_at_the_peak_is_a_copy():
     copies = [dict(eager_peak(record_eager_step(Copies(cast), (torch.randn(N),), None),
                               memory).live_at_peak_causes)["copies"] for cast in (False, True)]
     assert copies == [VECTOR, 0]
+
+
+class Drops(nn.Module):
+    """Two layers ``dropout(x * w, 0.5)``; the loss is the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([DropLayer(), DropLayer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+class DropLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(N))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x * self.w, 0.5, True)
+
+
+def test_dropout_keeps_a_float_noise_on_the_cpu_and_a_bool_mask_on_cuda():
+    """Eager dropout on the CPU fills a noise tensor of the input's dtype
+    (``bernoulli_``: 4 B per element here), on CUDA ATen's fused ``native_dropout`` saves a
+    bool mask (1 B), which the CUDA target records (``eager_kernels_on_cuda``); one mask is
+    live at each peak. The CUDA figure counts the caching allocator's 512-byte blocks."""
+    from remat_pass.memory.cuda_target import GpuSpec, eager_kernels_on_cuda
+
+    model, x = Drops(), torch.randn(N)
+    cpu_trace = record_eager_step(model, (x,), None)
+    cuda_trace = record_eager_step(model, (x,), None, kernels=lambda: eager_kernels_on_cuda(GpuSpec()))
+    names = [{str(n.target).split(".")[1] for n in t.op_nodes} for t in (cpu_trace, cuda_trace)]
+    assert "bernoulli_" in names[0] and "native_dropout" not in names[0]
+    assert "native_dropout" in names[1] and "bernoulli_" not in names[1]
+    cpu = eager_peak(cpu_trace, MemoryModel.table_only("cpu"))
+    cuda = eager_peak(cuda_trace, MemoryModel.table_only("cuda"))
+    assert dict(cpu.live_at_peak_causes)["dropout masks"] == 4 * N
+    assert dict(cuda.live_at_peak_causes)["dropout masks"] == N
+    assert all(b % 512 == 0 for _, b in cuda.live_at_peak)
+    assert torch.nn.functional.dropout.__module__ == "torch.nn.functional"  # restored
+
+
+def test_the_cuda_target_counts_no_host_memory():
+    """Under checkpoint (uniform K=1) each checkpointed call stashes the CPU RNG state
+    (``torch.get_rng_state``: 5,056 B, host memory): counted on the CPU target, 0 bytes in
+    the GPU's memory; the CUDA row says it was predicted, not run."""
+    from remat_pass.evaluate.eager_program import ON_CUDA, eager_program
+    from remat_pass.memory.cuda_target import GpuSpec
+
+    model, x = Drops(), torch.randn(N)
+    cpu, cuda = (eager_program(model, (x,), None, schedules.uniform(1, 2), gpu=gpu, measure=False)
+                 for gpu in (None, GpuSpec()))
+    assert dict(cpu.predicted.live_at_peak_ops)["get_rng_state"] == 2 * 5056
+    assert dict(cuda.predicted.live_at_peak_ops).get("get_rng_state", 0) == 0
+    assert cuda.measured_peak_bytes is None and ON_CUDA in cuda.predicted.notes
