@@ -168,12 +168,32 @@ def measure_eager_cuda(model, inputs, loss_fn, sched, layers: str) -> int:  # no
     return peak
 
 
+def same_recording(real, meta, loss_fn, sched, layers: str) -> bool:  # noqa: ANN001
+    """Whether the eager step recorded without weights (``meta``: model, inputs) has the
+    ops and storages (sizes, allocation and death) of the one recorded with them
+    (``real``, its values replayed): the op scratch aside, which the real one
+    calibrates."""
+    from remat_pass.evaluate.eager_program import with_checkpoints
+    from remat_pass.graph.eager_branches import eager_scalar_values
+    from remat_pass.graph.eager_trace import record_eager_step
+
+    traces = []
+    for (model, inputs), scalars in ((real, True), (meta, False)):
+        m = with_checkpoints(model, sched, layers) if sched.groups else model
+        trace = record_eager_step(m, inputs, loss_fn, scalars=eager_scalar_values(m, inputs, loss_fn) if scalars
+                                  else None)
+        traces.append(([str(n.target) for n in trace.op_nodes],
+                       [(st.nbytes, st.allocated_at, st.freed_before) for st in trace.storages]))
+    return traces[0] == traces[1]
+
+
 def check_eager(name: str, dtype: str, size: str, device: str) -> list[dict]:
     """The rows of the user's eager program (``evaluate.eager_program``: the model as
     written, transformers' ``gradient_checkpointing_enable`` on the recomputed layers)
     under none, uniform K=1 and block N=2: on CUDA predicted for the detected GPU
     (``gpu=``) against ``measure_eager_cuda``; on the CPU predicted against the CPU
-    measurement, and the recording without weights against the one with them."""
+    measurement, and the recording without weights against the one with them
+    (``same_recording``)."""
     from remat_pass.evaluate.eager_program import eager_program
     from remat_pass.graph.regions import find_layer_stacks
 
@@ -194,8 +214,7 @@ def check_eager(name: str, dtype: str, size: str, device: str) -> list[dict]:
             r = eager_program(model, inputs, loss_fn, sched, layers=layers)
             pred, measured = r.predicted.peak_bytes, r.measured_peak_bytes
             meta_model, meta_inputs, _ = build(name, dtype, size, meta=True)
-            row["fake_equals_real"] = eager_program(meta_model, meta_inputs, loss_fn, sched, layers=layers,
-                                                    measure=False).predicted.peak_bytes == pred
+            row["fake_equals_real"] = same_recording((model, inputs), (meta_model, meta_inputs), loss_fn, sched, layers)
         row.update(predicted_peak_bytes=pred, measured_peak_bytes=measured,
                    error_fraction=(pred - measured) / measured if measured else None,
                    grads_equal=True, max_grad_diff_vs_eager=None, seconds=time.perf_counter() - t0)

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import RematError
+from ..graph.eager_branches import eager_scalar_values
 from ..graph.eager_trace import record_eager_step, without_weights
 from ..graph.flat_step import LossFn, extract_loss, split_inputs
 from ..graph.regions import find_layer_stacks
@@ -283,12 +284,16 @@ def eager_program(model: nn.Module, inputs: Any, loss_fn: LossFn | None,
 
 def _run(m: nn.Module, inputs: Any, loss_fn: LossFn | None, schedule: Schedule, measure: bool,
          calibrator: Calibrator | None, gpu: GpuSpec | None) -> EagerResult:
+    scalars = None
+    if not without_weights(m, inputs):  # the branches the real step takes on its values
+        with _collectives_released():
+            scalars = eager_scalar_values(m, inputs, loss_fn)
     if gpu is not None:
-        trace = record_eager_step(m, inputs, loss_fn, kernels=lambda: eager_kernels_on_cuda(gpu))
+        trace = record_eager_step(m, inputs, loss_fn, kernels=lambda: eager_kernels_on_cuda(gpu), scalars=scalars)
         predicted = eager_peak(trace, MemoryModel.table_only("cuda"))
         return EagerResult(schedule.provenance, dataclasses.replace(predicted, notes=(*predicted.notes, ON_CUDA)),
                            None)
-    trace = record_eager_step(m, inputs, loss_fn)
+    trace = record_eager_step(m, inputs, loss_fn, scalars=scalars)
     if without_weights(m, inputs):  # predicted only, as a fake step of the rewrite (session.Session)
         predicted = eager_peak(trace, MemoryModel.table_only("cpu"))
         return EagerResult(schedule.provenance, dataclasses.replace(predicted, notes=(*predicted.notes, NO_WEIGHTS)),

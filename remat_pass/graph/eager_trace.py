@@ -48,6 +48,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import RematError
 from .fake_trace import FakeConverter
+from .eager_branches import FAKE_BRANCHES, eager_library_checks, is_data_dependent, know_factory_value
 from .flat_step import LossFn, bind_tensors, extract_loss, split_inputs
 from .trace_context import constant_values_mode, functional_collectives
 
@@ -86,12 +87,14 @@ class EagerTrace:
         reads: per op (run order), the index into ``storages`` of each storage of the
             step it reads (an in-place op's too; static storages left out); empty when
             not recorded.
+        notes: how the recording may differ from the real step (empty: it follows it).
     """
 
     graph: fx.Graph
     op_nodes: tuple[fx.Node, ...]
     storages: tuple[EagerStorage, ...]
     reads: tuple[tuple[int, ...], ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 WRAPPED_NUMBER_BYTES = "eager_wrapped_number_bytes"
@@ -126,9 +129,11 @@ class OpRecorder(TorchDispatchMode):
         shadow: the fake mode the nodes' stand-in values are made in.
     """
 
-    def __init__(self, shadow: FakeTensorMode):
+    def __init__(self, shadow: FakeTensorMode, scalars: list[Any] | None = None, known_factories: bool = False):
         super().__init__()
         self.shadow = shadow
+        self.scalars = None if scalars is None else list(reversed(scalars))  # popped in run order
+        self.known_factories = known_factories  # eager_branches.know_factory_value
         self.graph = fx.Graph()
         self.node_of: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.ops: list[fx.Node] = []
@@ -156,7 +161,12 @@ class OpRecorder(TorchDispatchMode):
         reads = self._read_sids((args, kwargs))
         self.busy = True
         try:
-            out = func(*args, **kwargs)
+            if func is torch.ops.aten._local_scalar_dense.default and self.scalars:
+                out = self.scalars.pop()  # the value the real step read here (eager_scalar_values)
+            else:
+                out = func(*args, **kwargs)
+                if self.known_factories:
+                    know_factory_value(func, args, kwargs, out)
             node = self.graph.call_function(func, tuple(fx_args), dict(fx_kwargs))
             wrapped = wrapped_numbers(func, args, kwargs)
             node.meta[WRAPPED_NUMBER_BYTES] = sum(wrapped.values())
@@ -407,7 +417,8 @@ def _mark_accumulations(loss: torch.Tensor, recorder: OpRecorder) -> list[Any]:
 
 
 def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None,
-                      kernels: Callable[[], ContextManager[Any]] | None = None) -> EagerTrace:
+                      kernels: Callable[[], ContextManager[Any]] | None = None,
+                      scalars: list[Any] | None = None) -> EagerTrace:
     """Record ``loss_fn(model(*inputs)).backward()`` as eager PyTorch runs it, on a fake
     copy of the model (``_fake_model``) and fake inputs; the model's own tensors and
     ``.grad``s are untouched.
@@ -422,6 +433,12 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
             (targets) are recorded as CPU tensors.
         kernels: a context entered around forward and backward that makes ops run as
             on another device (``cuda_target.eager_kernels_on_cuda``); None: the CPU's.
+        scalars: the values the real step read from its tensors
+            (``eager_branches.eager_scalar_values``), replayed in order. None: the
+            values constants and factories decide; where the step reads one they do
+            not, it is recorded again with the libraries' branches for fake tensors,
+            and ``EagerTrace.notes`` says so (``FAKE_BRANCHES``). Either way the
+            libraries' fake-tensor checks are off (``eager_branches``).
 
     Returns:
         The EagerTrace: every op (forward, loss, backward) with the storages it
@@ -431,6 +448,22 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
         RematError: an op cannot run on fake tensors (a data-dependent ``.item()``,
             an op with no meta function), with the op's error.
     """
+    if scalars is not None:
+        return _record(model, inputs, loss_fn, kernels, scalars, True)
+    try:  # without values: the branches that constants decide as eager decides them
+        return _record(model, inputs, loss_fn, kernels, None, True)
+    except RematError as e:
+        if not is_data_dependent(e.__cause__ or e):
+            raise
+    trace = _record(model, inputs, loss_fn, kernels, None, False)
+    return dataclasses.replace(trace, notes=(FAKE_BRANCHES,))
+
+
+def _record(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | None,
+            kernels: Callable[[], ContextManager[Any]] | None, scalars: list[Any] | None,
+            eager_branches: bool) -> EagerTrace:
+    """``record_eager_step`` once: with ``eager_branches``, the libraries' fake-tensor
+    checks off and the factories' values known (``eager_branches``)."""
     fake = constant_values_mode()  # real tensors allowed (a loss_fn's targets); small constants' values known
     converter = FakeConverter(fake, "cpu")  # meta tensors -> CPU fakes, storages shared as they are
     run, binding = _fake_model(fake, model, converter)
@@ -438,7 +471,7 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
     args, kwargs = split_inputs(inputs)
     args, kwargs = tree_map(lambda x: (converter.convert([x])[0] if x.is_meta else fake.from_tensor(x))
                             if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    recorder = OpRecorder(FakeTensorMode(allow_non_fake_inputs=True))
+    recorder = OpRecorder(FakeTensorMode(allow_non_fake_inputs=True), scalars, eager_branches and scalars is None)
     get_rng_state = torch.get_rng_state
 
     def stashed_rng_state() -> torch.Tensor:
@@ -448,7 +481,8 @@ def record_eager_step(model: torch.nn.Module, inputs: Any, loss_fn: LossFn | Non
 
     torch.get_rng_state = stashed_rng_state
     try:
-        with fake, recorder, functional_collectives(), binding, (kernels or contextlib.nullcontext)():
+        with fake, recorder, functional_collectives(), binding, (kernels or contextlib.nullcontext)(), \
+                (eager_library_checks() if eager_branches else contextlib.nullcontext()):
             loss = extract_loss(run(args, kwargs), loss_fn)  # the output is not held through backward
             handles = _mark_accumulations(loss, recorder)
             loss.backward()

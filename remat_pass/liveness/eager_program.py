@@ -173,9 +173,9 @@ def eager_peak(trace: EagerTrace, memory: MemoryModel) -> EagerPeak:
     held = sum(sizes[sid] for sid, s in enumerate(trace.storages) if s.freed_before is None)
     node = trace.op_nodes[at]
     top = sorted(((trace.storages[sid].node, sizes[sid]) for sid in at_peak), key=lambda x: -x[1])
-    notes = ()
+    notes = trace.notes
     if uncounted:
-        notes = (f"{uncounted} ops have no scratch figure (not calibrated, not in the table): 0 bytes assumed",)
+        notes += (f"{uncounted} ops have no scratch figure (not calibrated, not in the table): 0 bytes assumed",)
     by_op: dict[str, int] = {}
     for sid in at_peak:
         name = op_name(trace.op_nodes[trace.storages[sid].allocated_at].target)

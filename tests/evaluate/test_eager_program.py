@@ -346,3 +346,50 @@ def test_a_tied_weights_gradient_of_its_own_is_summed_into_in_place():
         r = eager_program(model, (ids,), None, sch, layers="layers")
         assert r.predicted.peak_bytes == r.measured_peak_bytes, (sch.provenance, r.predicted.peak_bytes,
                                                                  r.measured_peak_bytes)
+
+
+def test_a_transformers_sdpa_model_takes_the_eager_steps_branches():
+    """transformers' Llama with its default SDPA attention, per-layer checkpoint: on real
+    tensors the mask code reads values (``.item()``) and skips the causal mask
+    (``is_causal``), on fake tensors ``is_tracing`` said "tracing" and a mask was built:
+    predicted 644,552 B against 617,928 B measured before the values were replayed.
+    Predicted == measured now, and the recording without weights (the values decided by
+    ``arange``'s constants) has the same ops and storages."""
+    transformers = pytest.importorskip("transformers")
+    from remat_pass.graph.eager_branches import eager_scalar_values
+    from remat_pass.models.configs import ModelSpec, build_from_config
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=32)
+    built = [build_from_config(cfg, ModelSpec(task="causal-lm", dtype="float32", meta=meta, batch=2, seq=32, seed=0))
+             for meta in (False, True)]
+    (model, inputs, loss_fn), (meta, meta_inputs, _) = built
+    assert model.config._attn_implementation == "sdpa"
+    sch = schedules.uniform(1, 2)
+    r = eager_program(model, inputs, loss_fn, sch, layers="model.layers")
+    assert r.predicted.peak_bytes == r.measured_peak_bytes
+    real = with_checkpoints(model, sch, "model.layers")
+    with_values = record_eager_step(real, inputs, loss_fn, scalars=eager_scalar_values(real, inputs, loss_fn))
+    without = record_eager_step(with_checkpoints(meta, sch, "model.layers"), meta_inputs, loss_fn)
+    assert not without.notes
+    assert [str(n.target) for n in without.op_nodes] == [str(n.target) for n in with_values.op_nodes]
+    assert [(s.nbytes, s.allocated_at, s.freed_before) for s in without.storages] == \
+        [(s.nbytes, s.allocated_at, s.freed_before) for s in with_values.storages]
+
+
+def test_without_weights_a_value_no_constant_decides_takes_the_fake_branches_and_says_so():
+    """The same Llama without weights given an ``attention_mask`` (a meta tensor: no
+    values): whether SDPA may skip the mask depends on it, so the recording takes the
+    branches transformers takes for fake tensors, and its notes say so."""
+    transformers = pytest.importorskip("transformers")
+    from remat_pass.graph.eager_branches import FAKE_BRANCHES
+    from remat_pass.models.configs import ModelSpec, build_from_config
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=32)
+    meta, inputs, loss_fn = build_from_config(cfg, ModelSpec(task="causal-lm", dtype="float32", meta=True, batch=2,
+                                                             seq=32, seed=0))
+    inputs = {**inputs, "attention_mask": torch.ones(2, 32, dtype=torch.long, device="meta")}
+    assert record_eager_step(meta, inputs, loss_fn).notes == (FAKE_BRANCHES,)
