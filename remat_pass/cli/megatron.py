@@ -52,7 +52,7 @@ def cmd_megatron(args: argparse.Namespace) -> int:
     Raises:
         ValueError: the Megatron-LM arguments (``read_megatron_command``), or ``--model``
             / ``--config`` / ``--batch`` / ``--seq`` / ``--layers`` given as well (the
-            command gives them), or ``--meta`` (Megatron's RNG tracker needs real values).
+            command gives them), or parallel sizes above 1.
     """
     from .sweep import cmd_sweep
 
@@ -65,10 +65,6 @@ def cmd_megatron(args: argparse.Namespace) -> int:
     if parallel_config(args) is not None:
         raise ValueError("remat-pass megatron models one GPU so far: leave out --tp / --sp / --pp / --fsdp (the "
                          "Megatron-LM arguments' parallel sizes must be 1)")
-    if args.meta:
-        raise ValueError("remat-pass megatron --meta: Megatron-Core's RNG tracker reads a tensor's value "
-                         "(CudaRNGStatesTracker.fork, tensor_parallel/random.py) that a trace without weights "
-                         "does not have; run without --meta (the model is built on the CPU)")
     if not args.megatron_args:
         raise ValueError("give the Megatron-LM arguments after --, e.g. remat-pass megatron -- --num-layers 8 "
                          "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "

@@ -42,6 +42,7 @@ from ..errors import RematError, UnsupportedGraph
 from .flat_step import LossFn, flatten_step
 from .shape_symbols import dynamic_dims, symbolic_context
 from .trace import JointGraph, capture_joint, joint_graph, trace_joint
+from .trace_context import constant_values_mode
 
 
 class FakeConverter:
@@ -195,7 +196,7 @@ def trace_joint_fake(
     dev = check_trace_device(device)
     flat = flatten_step(model, example_inputs, loss_fn, output)
     shape_env = ShapeEnv() if symbols else None
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    mode = constant_values_mode(shape_env)  # closed-over constants' values known, as in a concrete trace
     converter = FakeConverter(mode, dev)
     dims_of_symbol: dict[str, list[tuple[int, int]]] = {}
     if symbols:

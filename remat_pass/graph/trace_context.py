@@ -94,10 +94,11 @@ def _may_turn_const(self: FakeTensorMode, t: torch.Tensor) -> bool:
     return _known_value(t) and not self.is_our_fake(t)
 
 
-def constant_values_mode() -> FakeTensorMode:
+def constant_values_mode(shape_env: Any = None) -> FakeTensorMode:
     """A ``FakeTensorMode(allow_non_fake_inputs=True)`` in which real tensors (the graph's
     constants) of up to ``KNOWN_NUMEL_LIMIT`` elements, and the values of ops computed
-    only from them, are known (see the module docstring).
+    only from them, are known (see the module docstring); ``shape_env``: a
+    ``ShapeEnv`` for symbolic sizes (None: static).
 
     The mode is a FakeTensorMode, not a subclass (higher-order ops such as
     ``with_effects`` register their fake implementations for that class): its two
@@ -113,7 +114,7 @@ def constant_values_mode() -> FakeTensorMode:
         >>> with tracing(TracingContext(constant_values_mode())):
         ...     _ = aot_function(f, fw_compiler=lambda g, _: g)(torch.ones(3, requires_grad=True))
     """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     mode.validate_and_convert_non_fake_tensors = types.MethodType(_validate_and_convert, mode)
     mode.may_turn_const = types.MethodType(_may_turn_const, mode)
     return mode

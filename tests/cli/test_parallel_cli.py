@@ -159,3 +159,25 @@ def test_a_megatron_command_sweeps_as_the_factory_does(tmp_path):
                                            seed=0, tied_embeddings=True))
     assert [(r["provenance"], r["predicted_peak_bytes"]) for r in rows] == [
         (s.provenance, session.report(s).peak_bytes) for s in megatron_schedules(session.stack.layers_per_stack)]
+
+
+@pytest.mark.usefixtures("megatron_torn_down")
+def test_a_megatron_command_without_weights_predicts_what_it_measures_with_them(tmp_path):
+    """`remat-pass megatron --meta`: Megatron-Core's RNG tracker compares two CPU RNG states
+    (``CudaRNGStatesTracker.fork``), constants of the trace whose value the fake trace now
+    keeps (``trace_context.constant_values_mode``), so it traces without weights (it was
+    refused) and predicts every setting as the run with weights measures it (dropout 0.1)."""
+    pytest.importorskip("megatron.core")
+    from remat_pass.cli.main import main as cli_main
+
+    megatron = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                "--vocab-size", "128", "--micro-batch-size", "2", "--attention-dropout", "0.1",
+                "--hidden-dropout", "0.1"]
+    rows = {}
+    for flags in (["--meta"], []):
+        assert cli_main(["megatron", *flags, "--json", str(tmp_path / "m.json"), "--", *megatron]) == 0
+        rows[bool(flags)] = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert len(rows[True]) == len(rows[False]) >= 5
+    assert all(r["measured_peak_bytes"] is None for r in rows[True])
+    assert [(r["provenance"], r["predicted_peak_bytes"]) for r in rows[True]] == \
+        [(r["provenance"], r["measured_peak_bytes"]) for r in rows[False]]
