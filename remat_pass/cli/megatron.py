@@ -11,8 +11,16 @@ every K, ``block`` with every N), predicted and, unless ``--meta``, measured, wi
 gradients checked; the rows of a K that Megatron-Core 0.16.1 itself crashes on are
 named; under the table, Megatron-LM's own estimate of the command
 (``models.megatron_formula``) and what it leaves out. The options before ``--`` are ``sweep``'s (``--json``, ``--meta``, ``--target``,
-``--device-memory``, ``--optimizer``, ...). One GPU so far: tensor, pipeline and context
-parallel sizes of 1.
+``--device-memory``, ``--optimizer``, ...).
+
+Tensor parallelism (``--tensor-model-parallel-size t``): the model is built as one TP
+rank builds it (its shards of every column- and row-parallel linear and of the
+vocabulary), on a fake process group of world size t in this process
+(``setup_megatron_cpu``); every TP rank of it has the same shapes, so the rows are each
+rank's. Measured on that fake group, the collectives move no data (their outputs are
+allocated as on a real group; a real backend's own buffers are not counted); the
+rewrite's gradients are checked against the same model's un-rewritten step on that
+group. Pipeline and context parallel sizes of 1.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ def cmd_megatron(args: argparse.Namespace) -> int:
     Raises:
         ValueError: the Megatron-LM arguments (``read_megatron_command``), or ``--model``
             / ``--config`` / ``--batch`` / ``--seq`` / ``--layers`` given as well (the
-            command gives them), or parallel sizes above 1.
+            command gives them), or ``--tp`` / ``--pp`` / ``--fsdp`` (the command gives
+            the parallel sizes).
     """
     from .sweep import cmd_sweep
 
@@ -63,8 +72,8 @@ def cmd_megatron(args: argparse.Namespace) -> int:
     from .parallel import parallel_config
 
     if parallel_config(args) is not None:
-        raise ValueError("remat-pass megatron models one GPU so far: leave out --tp / --sp / --pp / --fsdp (the "
-                         "Megatron-LM arguments' parallel sizes must be 1)")
+        raise ValueError("remat-pass megatron takes the parallel sizes from the Megatron-LM arguments: leave out "
+                         "--tp / --sp / --pp / --fsdp and give --tensor-model-parallel-size after --")
     if not args.megatron_args:
         raise ValueError("give the Megatron-LM arguments after --, e.g. remat-pass megatron -- --num-layers 8 "
                          "--hidden-size 256 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
@@ -74,10 +83,14 @@ def cmd_megatron(args: argparse.Namespace) -> int:
     args.layers = command.factory_kwargs["layers"]
     args.factory_kwargs = {k: v for k, v in command.factory_kwargs.items() if k != "layers"}
     method, k = command.recompute
+    tp = command.factory_kwargs.get("tensor_parallel", 1)
     setting = "none" if method == "none" else f"{method}({'K' if method == 'uniform' else 'N'}={k})"
     print(f"Megatron-LM command: Megatron-Core GPTModel (local spec), {command.factory_kwargs['layers']} layers, "
           f"hidden {command.factory_kwargs['hidden']}, {command.factory_kwargs['heads']} heads, padded vocab "
-          f"{command.factory_kwargs['vocab']}, micro-batch {command.batch}, seq {command.seq}; its recompute "
+          f"{command.factory_kwargs['vocab']}, micro-batch {command.batch}, seq {command.seq}"
+          + (f"; tensor-parallel size {tp}: one TP rank's shards (every TP rank alike), on a fake process group "
+             "of that world size in this process (collectives move no data)" if tp > 1 else "")
+          + "; its recompute "
           f"setting: {setting} (the table's row {setting}); {command.microbatches} microbatch(es) per step, "
           "run one after another (each peaks alike: one microbatch's figures below)", file=sys.stderr)
     if command.ignored:

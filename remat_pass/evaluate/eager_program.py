@@ -206,20 +206,41 @@ def _collectives_released(timeout_s: float = 1.0) -> Iterator[None]:
     until gloo's worker thread has dropped its reference to the tensor (its use count is
     back to what it was), as ``measure.collective_release`` does for a graph's collectives:
     otherwise a storage whose last reference the worker drops is freed on a thread the
-    profiler does not record, and the measured peak is now and then too high by it.
-    Waiting changes no value and allocates nothing."""
+    profiler does not record, and the measured peak is now and then too high by it. An
+    asynchronous call (``async_op=True``) waits so in its handle's ``wait()``. Waiting
+    changes no value and allocates nothing."""
     import time
 
     import torch.distributed as dist
 
     original = dist.all_reduce
 
+    def released(tensor: torch.Tensor, before: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        while tensor._use_count() > before and time.monotonic() < deadline:
+            time.sleep(0)
+
+    class Released:
+        """An ``async_op=True`` handle (Megatron-Core's column-parallel backward) whose
+        ``wait()`` also waits for the worker's reference to go."""
+
+        def __init__(self, work: Any, tensor: torch.Tensor, before: int):
+            self.work, self.tensor, self.before = work, tensor, before
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            out = self.work.wait(*args, **kwargs)
+            released(self.tensor, self.before)
+            return out
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.work, name)
+
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         before = tensor._use_count()
         out = original(tensor, *args, **kwargs)
-        deadline = time.monotonic() + timeout_s
-        while kwargs.get("async_op") is not True and tensor._use_count() > before and time.monotonic() < deadline:
-            time.sleep(0)
+        if kwargs.get("async_op") is True:
+            return Released(out, tensor, before + 1)  # + this wrapper's own reference
+        released(tensor, before)
         return out
 
     dist.all_reduce = all_reduce

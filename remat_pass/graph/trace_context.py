@@ -24,7 +24,11 @@ While tracing they are the functional collectives Dynamo maps them to
 (``torch.distributed._functional_collectives.traceable_collective_remaps``): the
 collective, ``wait_tensor``, and a copy into the tensor, so the graph has no token and
 the collectives are the ones ``graph.costs.collective_rule`` models. Asynchronous calls
-(``async_op=True``) are left as they are.
+(``async_op=True``: Megatron-Core's column-parallel backward overlaps its input
+gradient's all-reduce with the weight gradient and waits on the handle after) are traced
+the same way, waited where they are issued, and return a completed handle: left as they
+were, each was an effectful ``c10d.allreduce_`` whose result the graph read before it
+arrived (on a real gloo group of two ranks, gradients differed run to run).
 
 **No-op dropout** (``eager_no_op_dropout``). Eager ``at::dropout`` returns its input
 itself when ``p == 0`` or not training (``_dropout`` in ATen's ``Dropout.cpp``), but the
@@ -126,30 +130,39 @@ def _reduce_op(op: Any) -> str:
     return REDUCE_OP_TO_STR[op] if not isinstance(op, str) else op
 
 
+class _Completed:
+    """The handle an ``async_op=True`` collective returns while tracing: already done
+    (its functional collective was waited where it was issued)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def _remapped() -> dict[str, Any]:
     """``torch.distributed`` name -> its functional in-place replacement (same arguments)."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
+    # async_op=True (Megatron's column-parallel backward overlaps its input-gradient
+    # all-reduce with the weight gradient, ``handle.wait()`` after): traced as the same
+    # functional collective, waited where it is issued, and a completed handle returned.
+    # The original in-place op would be traced as an effectful ``c10d.allreduce_``
+    # whose Work nothing in the graph waits for (its result read before it arrives).
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: ANN001, ANN202
-        if async_op:
-            return originals["all_reduce"](tensor, op, group, async_op)
         fc.all_reduce_inplace(tensor, _reduce_op(op), group)
-        return None
+        return _Completed() if async_op else None
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):  # noqa: ANN001, ANN202
-        if async_op:
-            return originals["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
         fc.all_gather_tensor_inplace(output_tensor, input_tensor, group)
-        return None
+        return _Completed() if async_op else None
 
     def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):  # noqa: A002, ANN001, ANN202
-        if async_op:
-            return originals["reduce_scatter_tensor"](output, input, op, group, async_op)
         fc.reduce_scatter_tensor_inplace(output, input, _reduce_op(op), group)
-        return None
+        return _Completed() if async_op else None
 
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}
     return {"all_reduce": all_reduce, "all_gather_into_tensor": all_gather_into_tensor,
             "_all_gather_base": all_gather_into_tensor, "reduce_scatter_tensor": reduce_scatter_tensor,
             "_reduce_scatter_base": reduce_scatter_tensor}

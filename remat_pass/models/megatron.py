@@ -6,10 +6,18 @@ Megatron-Core needs three things that a CPU-only machine does not give it; this 
 the one place of the product that provides them (``setup_megatron_cpu``), and undoes them
 (``teardown_megatron_cpu``):
 
-1. **Process groups.** ``parallel_state.initialize_model_parallel(1, 1)`` over a gloo
-   default group of world size 1 (a ``file://`` rendezvous in a temporary folder), so
-   every Megatron group exists and every collective runs (the ``all_reduce`` calls of
-   ``tensor_parallel/cross_entropy.py`` run even at TP = 1).
+1. **Process groups.** ``parallel_state.initialize_model_parallel(t, 1)``. At
+   tensor-parallel size t = 1 over a gloo default group of world size 1 (a ``file://``
+   rendezvous in a temporary folder), so every Megatron group exists and every
+   collective runs (the ``all_reduce`` calls of ``tensor_parallel/cross_entropy.py`` run
+   even at TP = 1). At t > 1, either over the default group the caller made (world size
+   t: one process per rank, ``parallel.launch.run_ranks`` over gloo), or, when there is
+   none, over a fake default group of world size t in which this process is TP rank 0
+   (``torch.testing._internal.distributed.fake_pg``: collectives return without moving
+   data, so one process builds and runs one rank's shards; every TP rank of a
+   Megatron-Core GPT holds the same shapes, so rank 0 stands for each). Megatron's extra
+   gloo groups (``create_gloo_process_groups``) are not made over a fake group: the
+   fake backend cannot make them, and the model's step never uses them.
 2. **The RNG tracker** (``tensor_parallel/random.py``). Megatron keeps named states of
    "the CUDA generator" (``CudaRNGStatesTracker``) and reads and writes that generator
    through two module functions, ``_get_cuda_rng_state`` and ``_set_cuda_rng_state``
@@ -61,6 +69,8 @@ class _Setup:
 
     folder: str | None
     owns_default_group: bool
+    tensor_parallel: int
+    excepthook: Callable[..., Any]
     groups: list[Any]
     rng_functions: tuple[Callable[..., Any], Callable[..., Any]]
     log_filter: logging.Filter
@@ -108,7 +118,8 @@ def _cpu_memory_buffer() -> Any:
 
 def _seed_tracker(seed: int) -> None:
     """Seed the tracker's three states as ``model_parallel_cuda_manual_seed`` does
-    (ranks 0 of one process), from CPU generators."""
+    (this process's tensor-parallel rank; expert ranks 0), from CPU generators."""
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(force_reset=True)
@@ -116,7 +127,7 @@ def _seed_tracker(seed: int) -> None:
     tracker.reset()
     states = {
         mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
-        mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718,
+        mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + parallel_state.get_tensor_model_parallel_rank(),
         mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + 1024,
     }
     tracker.set_states({name: torch.Generator().manual_seed(s).get_state() for name, s in states.items()})
@@ -124,47 +135,62 @@ def _seed_tracker(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_megatron_cpu(seed: int = 0) -> None:
-    """Set Megatron-Core up on the CPU, one process (see the module docstring):
-    ``parallel_state`` over gloo with world size 1, the RNG tracker on the CPU generator
-    and seeded, the global memory buffer on the CPU. Does nothing when already set up
-    (the seed is then reset only for the tracker and ``torch.manual_seed``).
+def setup_megatron_cpu(seed: int = 0, tensor_parallel: int = 1) -> None:
+    """Set Megatron-Core up on the CPU (see the module docstring): ``parallel_state``
+    with tensor-parallel size ``tensor_parallel`` (over gloo with world size 1 at 1; over
+    the caller's default group of that world size, or a fake one in which this process
+    is rank 0), the RNG tracker on the CPU generator and seeded, the global memory
+    buffer on the CPU. When already set up with the same size, only the seed is reset
+    (the tracker and ``torch.manual_seed``); with another size it is torn down first.
 
     Args:
         seed: Megatron's ``--seed`` (``model_parallel_cuda_manual_seed(seed)``).
+        tensor_parallel: Megatron's ``--tensor-model-parallel-size`` t (>= 1).
 
     Raises:
         ImportError: megatron-core is not installed (``pip install remat-pass[megatron]``).
-        RematError: ``torch.distributed`` is already initialized with a world size
-            other than 1, or Megatron's ``parallel_state`` is already initialized by
-            someone else.
+        RematError: ``tensor_parallel`` < 1, ``torch.distributed`` is already
+            initialized with a world size other than ``tensor_parallel``, or Megatron's
+            ``parallel_state`` is already initialized by someone else.
     """
     global _SETUP
+    import sys
+
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
+    if tensor_parallel < 1:
+        raise RematError(f"setup_megatron_cpu: tensor_parallel must be >= 1, got {tensor_parallel}")
+    if _SETUP is not None and _SETUP.tensor_parallel != tensor_parallel:
+        teardown_megatron_cpu()
     if _SETUP is not None:
         _seed_tracker(seed)
         return
     if parallel_state.model_parallel_is_initialized():
         raise RematError("Megatron's parallel_state is already initialized; call setup_megatron_cpu before it")
-    folder, owns = None, not dist.is_initialized()
-    if owns:
+    folder, owns, excepthook = None, not dist.is_initialized(), sys.excepthook
+    if owns and tensor_parallel == 1:
         folder = tempfile.mkdtemp(prefix="remat-megatron-")
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}",
                                 rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        raise RematError(f"setup_megatron_cpu runs one process; torch.distributed has world size {dist.get_world_size()}")
+    elif owns:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tensor_parallel)
+    elif dist.get_world_size() != tensor_parallel:
+        raise RematError(f"setup_megatron_cpu: tensor-parallel size {tensor_parallel} needs a world of "
+                         f"{tensor_parallel} processes; torch.distributed has world size {dist.get_world_size()}")
     before = set(dist.distributed_c10d._world.pg_names)
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(
+        tensor_parallel, 1, create_gloo_process_groups=dist.get_backend() != "fake")
     groups = [g for g in dist.distributed_c10d._world.pg_names if g not in before]
     parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_memory_buffer()
     saved = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = _cpu_rng_functions()
     log_filter = _ForkWarningFilter()
     logging.getLogger(mrandom.__name__).addFilter(log_filter)
-    _SETUP = _Setup(folder, owns, groups, saved, log_filter)
+    _SETUP = _Setup(folder, owns, tensor_parallel, excepthook, groups, saved, log_filter)
     _seed_tracker(seed)
 
 
@@ -187,16 +213,21 @@ def teardown_megatron_cpu() -> None:
     logging.getLogger(mrandom.__name__).removeFilter(setup.log_filter)
     if setup.owns_default_group:
         dist.destroy_process_group()
+        import sys
+
+        sys.excepthook = setup.excepthook  # init_process_group wrapped it to prefix "[rank0]: "
     else:
         for group in setup.groups:
-            dist.destroy_process_group(group)
+            if group in dist.distributed_c10d._world.pg_names:  # not destroyed by destroy_model_parallel
+                dist.destroy_process_group(group)
     if setup.folder is not None:
         shutil.rmtree(setup.folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def megatron_cpu(seed: int = 0) -> Iterator[None]:
-    """``setup_megatron_cpu(seed)`` for the block, then ``teardown_megatron_cpu()``.
+def megatron_cpu(seed: int = 0, tensor_parallel: int = 1) -> Iterator[None]:
+    """``setup_megatron_cpu(seed, tensor_parallel)`` for the block, then
+    ``teardown_megatron_cpu()``.
 
     Example:
         >>> import pytest; _ = pytest.importorskip("megatron.core")
@@ -207,7 +238,7 @@ def megatron_cpu(seed: int = 0) -> Iterator[None]:
         >>> parallel_state.model_parallel_is_initialized()
         False
     """
-    setup_megatron_cpu(seed)
+    setup_megatron_cpu(seed, tensor_parallel)
     try:
         yield
     finally:
@@ -232,6 +263,7 @@ def megatron_gpt(
     seed: int = 0,
     max_positions: int | None = None,
     tied_embeddings: bool = False,
+    tensor_parallel: int = 1,
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """Megatron-Core's ``GPTModel`` with the local layer spec
     (``gpt_layer_specs.get_gpt_layer_local_spec()``: Megatron's own attention, MLP and
@@ -262,7 +294,8 @@ def megatron_gpt(
 
     Raises:
         ImportError: megatron-core is not installed.
-        ValueError: a size is not positive, or ``hidden`` is not a multiple of ``heads``.
+        ValueError: a size is not positive, ``hidden`` is not a multiple of ``heads``, or
+            ``tensor_parallel`` does not divide ``heads``, the FFN size or ``vocab``.
 
     Example:
         >>> import pytest; _ = pytest.importorskip("megatron.core")
@@ -272,17 +305,18 @@ def megatron_gpt(
         (torch.Size([]), 1)
     """
     max_positions = _checked_sizes(batch, seq, layers, hidden, heads, vocab, max_positions)
+    _check_tensor_parallel(tensor_parallel, heads, ffn_hidden or 4 * hidden, vocab)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if _SETUP is None:
         atexit.register(teardown_megatron_cpu)
-    setup_megatron_cpu(seed)
+    setup_megatron_cpu(seed, tensor_parallel)
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn_hidden,
         attention_dropout=dropout, hidden_dropout=dropout, use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        params_dtype=torch.float32, tensor_model_parallel_size=tensor_parallel,
     )
     torch.manual_seed(seed)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=max_positions,
@@ -315,6 +349,19 @@ def _checked_sizes(batch: int, seq: int, layers: int, hidden: int, heads: int, v
     if max_positions < seq:
         raise ValueError(f"megatron_gpt: max_positions ({max_positions}) must be at least seq ({seq})")
     return max_positions
+
+
+def _check_tensor_parallel(tp: int, heads: int, ffn_hidden: int, vocab: int) -> None:
+    """Raise ValueError naming the size when tensor-parallel size ``tp`` is not one
+    Megatron-Core can shard ``heads`` attention heads, the FFN and the vocabulary by."""
+    if tp < 1:
+        raise ValueError(f"megatron_gpt: tensor_parallel must be >= 1, got {tp}")
+    for name, v in (("heads (--num-attention-heads)", heads), ("the FFN size (--ffn-hidden-size)", ffn_hidden),
+                    ("the padded vocabulary", vocab)):
+        if v % tp:
+            legal = [d for d in range(1, v + 1) if v % d == 0 and d <= 64]
+            raise ValueError(f"megatron_gpt: --tensor-model-parallel-size {tp} does not divide {name} = {v}; "
+                             f"legal sizes: {legal}")
 
 
 def is_megatron_core(model: torch.nn.Module | None) -> bool:

@@ -11,8 +11,8 @@ defaults, in three sets:
 - ``SUPPORTED`` and ``SUPPORTED_FLAGS``: read and applied (model shape, batch, dropouts,
   seed, recompute; the word embedding tied to the output layer, as ``pretrain_gpt.py``
   builds it, unless ``--untie-embeddings-and-output-weights``);
-- ``NOT_YET``: memory-relevant options this version does not model yet (tensor,
-  pipeline, context and sequence parallelism above 1, grouped-query attention, SwiGLU,
+- ``NOT_YET``: memory-relevant options this version does not model yet (pipeline,
+  context and sequence parallelism above 1, grouped-query attention, SwiGLU,
   RMSNorm, rotary positions, bf16 / fp16): an error naming the
   option, never a silently different model;
 - ``NO_MEMORY_EFFECT``: training options that change nothing in one step's memory
@@ -65,7 +65,8 @@ class MegatronCommand:
     Attributes:
         factory_kwargs: ``megatron_gpt``'s keyword arguments (layers, hidden, heads,
             ffn_hidden, vocab: the padded vocabulary, max_positions, dropout, seed,
-            tied_embeddings: ``pretrain_gpt.py``'s ``share_embeddings_and_output_weights``).
+            tied_embeddings: ``pretrain_gpt.py``'s ``share_embeddings_and_output_weights``,
+            tensor_parallel: ``--tensor-model-parallel-size``, present when above 1).
         batch, seq: ``--micro-batch-size``, ``--seq-length``.
         microbatches: ``--global-batch-size / --micro-batch-size`` (data-parallel size 1):
             run one after another, each microbatch's step peaks alike.
@@ -138,10 +139,13 @@ def _command(ns: argparse.Namespace, ignored: list[str]) -> MegatronCommand:
     missing = [n for n in REQUIRED if getattr(ns, n[2:].replace("-", "_")) is None]
     if missing:
         raise ValueError(f"the Megatron-LM command needs {', '.join(missing)}")
-    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+    for name in ("--pipeline-model-parallel-size", "--context-parallel-size"):
         if getattr(ns, name[2:].replace("-", "_")) != 1:
-            raise ValueError(f"{name} {getattr(ns, name[2:].replace('-', '_'))}: remat-pass megatron models one "
-                             "GPU (size 1) so far; per-rank Megatron-Core planning is not there yet")
+            raise ValueError(f"{name} {getattr(ns, name[2:].replace('-', '_'))}: remat-pass megatron models "
+                             "tensor parallelism only so far (pipeline and context parallel size 1)")
+    tp = ns.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp}: must be 1 or more")
     for name, allowed in (("--normalization", "LayerNorm"), ("--position-embedding-type", "learned_absolute")):
         if getattr(ns, name[2:].replace("-", "_")) != allowed:
             raise ValueError(f"{name} {getattr(ns, name[2:].replace('-', '_'))} is not modelled yet (only {allowed})")
@@ -161,9 +165,11 @@ def _command(ns: argparse.Namespace, ignored: list[str]) -> MegatronCommand:
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
                          f"{ns.micro_batch_size} (data-parallel size 1)")
     kwargs = dict(layers=ns.num_layers, hidden=ns.hidden_size, heads=ns.num_attention_heads,
-                  ffn_hidden=ns.ffn_hidden_size, vocab=padded_vocab_size(ns.vocab_size, ns.make_vocab_size_divisible_by),
+                  ffn_hidden=ns.ffn_hidden_size, vocab=padded_vocab_size(ns.vocab_size, ns.make_vocab_size_divisible_by, tp),
                   max_positions=ns.max_position_embeddings or ns.seq_length, seed=ns.seed,
                   tied_embeddings=not ns.untie_embeddings_and_output_weights)
+    if tp > 1:
+        kwargs["tensor_parallel"] = tp
     if ns.attention_dropout != ns.hidden_dropout:
         raise ValueError(f"--attention-dropout {ns.attention_dropout} and --hidden-dropout {ns.hidden_dropout}: "
                          "different dropouts are not modelled yet (give them equal)")

@@ -2,8 +2,9 @@
 figures: ``report_theoretical_memory`` of Megatron-LM (``megatron/training/
 theoretical_memory_usage.py``, core_r0.16), itself after Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models" (Table 2), for the
-commands ``remat-pass megatron`` reads (tensor, pipeline and context parallel size 1,
-no sequence parallelism, dense layers, LayerNorm, no distributed optimizer).
+commands ``remat-pass megatron`` reads (tensor-parallel size t, pipeline and context
+parallel size 1, no sequence parallelism, dense layers, LayerNorm, no distributed
+optimizer), per GPU.
 
 With those sizes Megatron's estimate is, in bytes, for ``s`` = ``--seq-length``, ``b`` =
 ``--micro-batch-size``, ``h`` = ``--hidden-size``, ``f`` = ``--ffn-hidden-size``
@@ -12,11 +13,16 @@ With those sizes Megatron's estimate is, in bytes, for ``s`` = ``--seq-length``,
 - weights and optimizer: 18 bytes per parameter (fp16 weight and gradient, fp32 master
   weight and two Adam moments), the parameters counted as ``L * (4h^2 + 2h(f + 2)) + 2h
   + hV`` (attention and MLP weight matrices, two LayerNorms per layer and the final one,
-  the word embedding, twice with ``--untie-embeddings-and-output-weights``);
-- activations (its ``compute_activation_memory_without_sp``): ``(34 sbh L + 8 sb + sbh +
-  2 (sbV + sbh)) * 1.05``: 34 bytes per layer and token-hidden (16-bit values, 1-byte
-  dropout masks), the embedding's input and dropout mask, the logits and the final
-  LayerNorm's output in 16 bits, and a flat 5 % for temporaries.
+  the word embedding, twice with ``--untie-embeddings-and-output-weights``), divided by
+  t (Megatron's "most loaded model shard");
+- activations (its ``compute_activation_memory_without_sp``): ``((10 + 24 / t) sbh L +
+  8 sb + sbh + 2 (sbV / t + sbh)) * 1.05``: 34 bytes per layer and token-hidden at t = 1
+  (16-bit values, 1-byte dropout masks), of which 24 are sharded by tensor parallelism
+  and 10 (the LayerNorms' inputs, the dropout masks after attention and MLP, the
+  attention and MLP inputs) are not (Korthikanti et al. Table 2, "tensor parallel"
+  row, without the attention-score term), the embedding's input and dropout mask, the
+  logits (vocab-parallel: V / t per GPU) and the final LayerNorm's output in 16 bits,
+  and a flat 5 % for temporaries.
 
 The estimate has no term for ``--recompute-method`` / ``--recompute-num-layers``: Megatron
 prints the same activation figure at every full-recompute setting.
@@ -39,7 +45,7 @@ class MegatronEstimate:
     """What Megatron-LM's ``report_theoretical_memory`` gives for a command (bytes).
 
     Attributes:
-        parameters: the parameters it counts.
+        parameters: the parameters it counts on one GPU (its shard at tensor-parallel size t).
         weight_and_optimizer_bytes: ``BYTES_PER_PARAMETER`` per parameter.
         activation_bytes: its activation estimate (the same at every recompute setting).
         total_bytes: their sum.
@@ -62,7 +68,8 @@ class MegatronEstimate:
 
 def megatron_estimate(command: MegatronCommand) -> MegatronEstimate:
     """Megatron-LM's ``report_theoretical_memory`` for ``command`` (a command
-    ``read_megatron_command`` accepted: every parallel size 1), rounded down to bytes
+    ``read_megatron_command`` accepted: pipeline and context parallel size 1), per GPU
+at its tensor-parallel size, rounded down to bytes
     as Megatron's MB figure times 2**20 would be.
 
     >>> from remat_pass.models.megatron_args import read_megatron_command
@@ -74,10 +81,12 @@ def megatron_estimate(command: MegatronCommand) -> MegatronEstimate:
     k = command.factory_kwargs
     s, b, h, L, V = command.seq, command.batch, k["hidden"], k["layers"], k["vocab"]
     f = k.get("ffn_hidden") or 4 * h
+    t = k.get("tensor_parallel", 1)
     per_layer = 4 * h * h + 2 * h * (f + 2)  # QKV + projection (2h^2 (1 + 1)), MLP, two LayerNorms
-    parameters = L * per_layer + 2 * h + h * V * (1 if k.get("tied_embeddings", True) else 2)
+    parameters = (L * per_layer + 2 * h + h * V * (1 if k.get("tied_embeddings", True) else 2)) // t
     tokens = s * b
-    activations = (34 * tokens * h * L + 8 * tokens + tokens * h + 2 * (tokens * V + tokens * h)) * TEMPORARIES
+    activations = ((10 + 24 / t) * tokens * h * L + 8 * tokens + tokens * h
+                   + 2 * (tokens * V / t + tokens * h)) * TEMPORARIES
     weights = BYTES_PER_PARAMETER * parameters
     leaves_out = (
         "it has no term for the recompute setting: every row gets the same activation estimate, where "
@@ -85,7 +94,7 @@ def megatron_estimate(command: MegatronCommand) -> MegatronEstimate:
         f"it counts 16-bit activations and 18 B per parameter (mixed-precision Adam); this sweep runs "
         f"fp32 with the static memory it prints",
         f"it leaves out the attention scores (softmax output, its dropout mask, the dropout's output: "
-        f"about 5 * heads * s^2 * b = {5 * k['heads'] * s * s * b:,} B per layer in 16 bits), which the "
+        f"about 5 * heads / t * s^2 * b = {5 * k['heads'] // t * s * s * b:,} B per layer in 16 bits), which the "
         "local layer spec's unfused attention saves",
         "it leaves out biases and the position embedding among the parameters, and counts the logits at "
         "2 B per value where Megatron's cross entropy keeps an fp32 softmax of them (4 B per value)",

@@ -26,7 +26,8 @@ def test_shape_defaults_and_recompute_as_megatron_reads_them():
 @pytest.mark.parametrize("extra,says", [
     (["--swiglu"], "--swiglu is not modelled"),
     (["--foo", "1"], "unknown Megatron-LM option --foo"),
-    (["--tensor-model-parallel-size", "8"], "--tensor-model-parallel-size 8"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0"),
     (["--recompute-method", "uniform"], "needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform"], "needs --recompute-num-layers"),
     (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
@@ -38,6 +39,13 @@ def test_what_is_not_modelled_or_wrong_is_refused_by_name(extra, says):
     with pytest.raises(ValueError, match=None) as e:
         read_megatron_command([*BASE, *extra])
     assert says in str(e.value), str(e.value)
+
+
+def test_tensor_parallel_size_is_read_and_pads_the_vocabulary_by_it():
+    """Megatron-LM pads the vocabulary to a multiple of make-vocab-size-divisible-by x t."""
+    c = read_megatron_command([*BASE, "--tensor-model-parallel-size", "8", "--vocab-size", "32000"])
+    assert c.factory_kwargs["tensor_parallel"] == 8 and c.factory_kwargs["vocab"] == 32768
+    assert read_megatron_command([*BASE, "--vocab-size", "32000"]).factory_kwargs["vocab"] == 32000
 
 
 def test_a_missing_required_option_is_named():
